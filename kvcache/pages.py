@@ -1,0 +1,137 @@
+"""The paged KV pool: fixed-size pages in one preallocated tensor per layer, handed out on demand.
+
+A request owns a page table (a list of page ids); token `t` of the request lives in slot
+`table[t // page_size] * page_size + t % page_size`. Pages are taken as tokens arrive and returned
+when the request ends or is preempted, so KV memory in use grows with tokens held, not with
+`max_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """Raised when an allocation asks for more pages than are free (the scheduler checks first)."""
+
+
+class PageAllocator:
+    """A free list of page ids; O(1) allocate and free.
+
+    `on_first_use` is called with pages handed out for the first time (the pool zeroes them).
+    """
+
+    def __init__(
+        self, num_pages: int, on_first_use: Callable[[list[int]], None] | None = None
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._used = [False] * num_pages
+        self._touched = [False] * num_pages
+        self._on_first_use = on_first_use
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        fresh = [p for p in pages if not self._touched[p]]
+        for p in pages:
+            self._used[p] = True
+            self._touched[p] = True
+        if fresh and self._on_first_use is not None:
+            self._on_first_use(fresh)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if not self._used[p]:
+                raise RuntimeError(f"page {p} freed twice")
+            self._used[p] = False
+            self._free.append(p)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token across every layer."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    def pages_for_budget(self, budget_bytes: int) -> int:
+        return max(1, budget_bytes // self.bytes_per_page)
+
+
+class PagedKVCache:
+    """Keys and values of every layer, `[num_layers, num_slots, kv_heads, head_dim]` each.
+
+    Allocated with `torch.empty`: on CPU the operating system commits memory only for the pages
+    that are written, on CUDA the budget is reserved up front as vLLM does. A page is zeroed when
+    first handed out: attention reads padding slots under a mask, and 0 * NaN from uninitialised
+    memory would still poison the output.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_pages = num_pages
+        self.device = device
+        shape = (
+            layout.num_layers,
+            num_pages * layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
+        # Post-RoPE keys: every policy that scores keys (Quest bounds, SnapKV) wants them rotated.
+        self.keys = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.values = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.allocator = PageAllocator(num_pages, on_first_use=self._zero_pages)
+        self._zero_pages([0])  # page 0 pads every gather
+
+    def _zero_pages(self, pages: list[int]) -> None:
+        ps = self.layout.page_size
+        for p in pages:
+            self.keys[:, p * ps : (p + 1) * ps].zero_()
+            self.values[:, p * ps : (p + 1) * ps].zero_()
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.allocator.num_used * self.layout.bytes_per_page
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.layout.bytes_per_page

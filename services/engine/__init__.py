@@ -1,0 +1,21 @@
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.llm import LLM
+from services.engine.params import (
+    KVPolicy,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutput,
+)
+
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "KVPolicy",
+    "LLMEngine",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutput",
+]

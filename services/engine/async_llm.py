@@ -1,0 +1,154 @@
+"""`AsyncLLM`: the engine loop on a background thread, streaming deltas to asyncio callers.
+
+The serving layer uses it: `stream = llm.add_request(prompt, params)`, then `async for out in
+stream` yields `RequestOutput`s whose `delta_text`/`delta_token_ids` hold what is new; the last has
+`finished=True`. Leaving the loop early aborts the request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.engine import LLMEngine, Prompt
+from services.engine.params import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every open stream receives this."""
+
+
+class RequestStream:
+    def __init__(self, owner: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._done = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self._done:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self._done = item.finished
+                yield item
+        finally:
+            if not self._done:  # the caller left early (disconnect, cancellation)
+                self._owner.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    prompt: Prompt
+    params: SamplingParams
+    stream: RequestStream
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | str | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._error: BaseException | None = None
+        self._counter = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="structserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Queues a request; must be called from a running event loop."""
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has stopped") from self._error
+        with self._lock:
+            self._counter += 1
+            request_id = request_id or f"async-{self._counter}"
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        self._commands.put(_Add(prompt, params, stream))
+        return stream
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        async for out in self.add_request(prompt, params, request_id):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(request_id)
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._drain_commands(block=not self.engine.has_unfinished()):
+                for req in self.engine.step():
+                    self._deliver(req.request_id)
+        except BaseException as exc:  # the loop must not die silently: fail every stream
+            log.exception("engine loop failed")
+            self._error = exc
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"engine loop failed: {exc!r}"))
+            self._streams.clear()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Applies queued adds and aborts; False when asked to stop."""
+        try:
+            cmd = self._commands.get(block=block)
+            while True:
+                if cmd is None:
+                    return False
+                self._apply(cmd)
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _apply(self, cmd: _Add | str) -> None:
+        if isinstance(cmd, str):
+            if cmd in self._streams:
+                self.engine.abort(cmd)
+                self._deliver(cmd)
+            return
+        rid = cmd.stream.request_id
+        try:
+            req = self.engine.add_request(cmd.prompt, cmd.params, rid)
+        except ValueError as exc:
+            cmd.stream.put(exc)
+            return
+        self._streams[rid] = cmd.stream
+        if req.finished:  # refused at admission: the reason is in warnings
+            self._deliver(rid)
+
+    def _deliver(self, request_id: str) -> None:
+        req = self.engine.requests.get(request_id)
+        stream = self._streams.get(request_id)
+        if req is None or stream is None:
+            return
+        stream.put(self.engine.make_output(req))
+        if req.finished:
+            del self._streams[request_id]
+            self.engine.release(request_id)

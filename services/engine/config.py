@@ -1,0 +1,54 @@
+"""Engine settings: one frozen dataclass, validated at start-up."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a local HF folder; None: the default SmolLM2 package
+    device: str = "auto"  # "auto": cuda when present, else cpu
+    dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of free memory
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device: {self.device!r} is not 'auto', 'cpu' or 'cuda[:N]'")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size: must be a power of two, got {self.page_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory: must be a positive number of bytes")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def kv_budget_bytes(self, device: torch.device) -> int:
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return int(free * 0.8)
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return int(min(available * 0.25, 4 << 30))

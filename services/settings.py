@@ -1,0 +1,25 @@
+"""Environment variables, read in this one module; the rest of the code takes arguments."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: `STRUCTSERVE_CACHE_DIR`, else the XDG cache folder."""
+    explicit = os.environ.get("STRUCTSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "structserve"
+
+
+def force_offline() -> None:
+    """Never reach a model hub: weights come from local folders or packages."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def default_model() -> str | None:
+    return os.environ.get("STRUCTSERVE_MODEL") or None
