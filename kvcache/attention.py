@@ -5,9 +5,11 @@ runs unmodified: the model computes q, k, v and rotary embeddings from our expli
 then hands them here with the step's `PagedBatch` in `kwargs`.
 
 The batch is packed: every scheduled token of every request in one row, `[1, T, ...]`.
-- Short queries (decode tokens, jump-forward spans) go through one padded, batched attention call.
+- Short queries (decode tokens, jump-forward spans) go through padded, batched attention calls, one
+  per group of requests with similar context lengths (so padding stays small).
 - Long queries (prompt chunks) run one call each; a chunk with no cached prefix attends to its own
   keys only, with a causal kernel and no gather.
+Pages are gathered into a workspace the pool keeps, so no layer allocates a fresh buffer.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ ATTN_IMPLEMENTATION = "structserve_paged"
 
 @dataclass
 class ShortQueries:
-    token_index: torch.Tensor  # [B, Qmax] packed index of each query (padding repeats a valid one)
-    valid: torch.Tensor  # [B, Qmax] bool
-    page_index: torch.Tensor  # [B, Pmax] pages to read, padded with page 0
-    mask: torch.Tensor  # [B, 1, Qmax, Pmax * page_size] bool, True = attend
+    """One group of requests whose few new tokens attend together."""
+
+    token_index: torch.Tensor  # [R, Qmax] packed index of each query (padding repeats a real one)
+    src_index: torch.Tensor  # [N] rows of the flattened [R * Qmax] output that are real queries
+    dst_index: torch.Tensor  # [N] their packed index (index tensors, not masks: no device sync)
+    page_index: torch.Tensor  # [R * Pmax] pages to read, row-major, padded with page 0
+    mask: torch.Tensor  # [R, 1, Qmax, Pmax * page_size] bool, True = attend
 
 
 @dataclass
@@ -43,16 +48,22 @@ class LongQuery:
 class PagedBatch:
     kv: PagedKVCache
     slot_mapping: torch.Tensor  # [T] slot each new token's keys and values are written to
-    short: ShortQueries | None
+    short: list[ShortQueries]
     long: list[LongQuery]
 
 
-def _gather_pages(cache: torch.Tensor, page_index: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[..., P] page ids -> [..., kv_heads, P * page_size, head_dim] keys or values."""
-    paged = cache.view(-1, page_size, *cache.shape[1:])  # [num_pages, ps, KVH, D]
-    picked = paged[page_index]  # [..., P, ps, KVH, D]
-    picked = picked.flatten(-4, -3)  # [..., P * ps, KVH, D]
-    return picked.transpose(-3, -2)
+def _gather(
+    kv: PagedKVCache, layer: int, page_index: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of `page_index` ([rows * P] pages) as `[rows, KVH, P * ps, D]` views."""
+    k_buf, v_buf = kv.workspace(page_index.numel())
+    out = []
+    for cache, buf in ((kv.keys[layer], k_buf), (kv.values[layer], v_buf)):
+        paged = cache.view(cache.shape[0], -1, kv.page_size, cache.shape[-1])  # [KVH, NP, ps, D]
+        torch.index_select(paged, 1, page_index, out=buf)
+        # [KVH, rows * P, ps, D] -> [rows, KVH, P * ps, D]: a view, tokens stay contiguous
+        out.append(buf.view(buf.shape[0], rows, -1, buf.shape[-1]).transpose(0, 1))
+    return out[0], out[1]
 
 
 def paged_attention_forward(
@@ -71,36 +82,31 @@ def paged_attention_forward(
             f"{ATTN_IMPLEMENTATION} attention needs a PagedBatch in the model kwargs"
         )
     batch = paged_batch
+    kv = batch.kv
     layer: int = module.layer_idx  # type: ignore[assignment]
-    ps = batch.kv.page_size
-    k_cache, v_cache = batch.kv.keys[layer], batch.kv.values[layer]
-    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, D]
-    k_cache.index_copy_(0, batch.slot_mapping, k_new)
-    v_cache.index_copy_(0, batch.slot_mapping, v_new)
+    kv.keys[layer].index_copy_(1, batch.slot_mapping, key[0])
+    kv.values[layer].index_copy_(1, batch.slot_mapping, value[0])
 
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
     gqa = query.shape[1] != key.shape[1]
-    if batch.short is not None:
-        s = batch.short
-        qs = q[s.token_index].transpose(1, 2)  # [B, H, Qmax, D]
-        ks = _gather_pages(k_cache, s.page_index, ps)
-        vs = _gather_pages(v_cache, s.page_index, ps)
+    for s in batch.short:
+        rows = s.token_index.shape[0]
+        ks, vs = _gather(kv, layer, s.page_index, rows)
+        qs = q[s.token_index].transpose(1, 2)  # [R, H, Qmax, D]
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=s.mask, scale=scaling, enable_gqa=gqa
-        ).transpose(1, 2)  # [B, Qmax, H, D]
-        out[s.token_index[s.valid]] = o[s.valid]
+        ).transpose(1, 2)  # [R, Qmax, H, D]
+        out.index_copy_(0, s.dst_index, o.flatten(0, 1).index_select(0, s.src_index))
     for lq in batch.long:
-        ql = q[lq.start : lq.end].transpose(0, 1)[None]  # [1, H, n, D]
+        ql = query[:, :, lq.start : lq.end]  # [1, H, n, D]
         if lq.page_index is None:
-            kl = k_new[lq.start : lq.end].transpose(0, 1)[None]
-            vl = v_new[lq.start : lq.end].transpose(0, 1)[None]
+            kl, vl = key[:, :, lq.start : lq.end], value[:, :, lq.start : lq.end]
             o = F.scaled_dot_product_attention(
                 ql, kl, vl, is_causal=True, scale=scaling, enable_gqa=gqa
             )
         else:
-            kl = _gather_pages(k_cache, lq.page_index, ps)[None]
-            vl = _gather_pages(v_cache, lq.page_index, ps)[None]
+            kl, vl = _gather(kv, layer, lq.page_index, 1)
             o = F.scaled_dot_product_attention(
                 ql, kl, vl, attn_mask=lq.mask, scale=scaling, enable_gqa=gqa
             )

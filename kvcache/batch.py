@@ -15,6 +15,10 @@ from kvcache.pages import PagedKVCache, pages_needed
 
 # Queries longer than this run one attention call each (a prompt chunk); shorter ones are batched.
 LONG_QUERY_THRESHOLD = 32
+# Short queries are grouped by context length so that padding stays under this share of the pages
+# read; more groups mean more (smaller) kernel calls, so their number is capped.
+PAD_SLACK = 1.25
+MAX_GROUPS = 8
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ def _slot_mapping(seqs: list[SeqSlice], page_size: int) -> torch.Tensor:
 
 
 def _causal_mask(starts: torch.Tensor, qmax: int, kmax: int, nq: torch.Tensor) -> torch.Tensor:
-    """[B, 1, qmax, kmax]: query j of row b sees keys 0..starts[b] + j; padded queries see key 0."""
-    q_pos = starts[:, None] + torch.arange(qmax)[None, :]  # [B, qmax]
+    """[R, 1, qmax, kmax]: query j of row r sees keys 0..starts[r] + j; padded queries see key 0."""
+    q_pos = starts[:, None] + torch.arange(qmax)[None, :]  # [R, qmax]
     k_pos = torch.arange(kmax)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]
     padded = torch.arange(qmax)[None, :] >= nq[:, None]
@@ -48,13 +52,36 @@ def _causal_mask(starts: torch.Tensor, qmax: int, kmax: int, nq: torch.Tensor) -
     return mask[:, None]
 
 
+def group_by_length(
+    npages: list[int], slack: float = PAD_SLACK, max_groups: int = MAX_GROUPS
+) -> list[list[int]]:
+    """Row indices in groups of similar page counts, each padded by at most `slack`."""
+    order = sorted(range(len(npages)), key=npages.__getitem__)
+    while True:
+        groups: list[list[int]] = []
+        current: list[int] = []
+        total = 0
+        for r in order:
+            p = npages[r]
+            if current and p * (len(current) + 1) > slack * (total + p):
+                groups.append(current)
+                current, total = [], 0
+            current.append(r)
+            total += p
+        groups.append(current)
+        if len(groups) <= max_groups:
+            return groups
+        slack *= 1.5
+
+
 def _short_queries(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> ShortQueries:
     nq = torch.tensor([s.num_tokens for s in seqs])
     qmax = int(nq.max())
-    base = torch.tensor(offsets)
     j = torch.arange(qmax)
-    valid = j[None, :] < nq[:, None]
-    token_index = base[:, None] + torch.minimum(j[None, :], nq[:, None] - 1)
+    valid = (j[None, :] < nq[:, None]).flatten()
+    token_index = torch.tensor(offsets)[:, None] + torch.minimum(j[None, :], nq[:, None] - 1)
+    src_index = valid.nonzero().squeeze(-1)
+    dst_index = token_index.flatten()[src_index]
     npages = [pages_needed(s.end, page_size) for s in seqs]
     pmax = max(npages)
     page_index = torch.zeros(len(seqs), pmax, dtype=torch.long)
@@ -62,7 +89,7 @@ def _short_queries(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> 
         page_index[row, :n] = torch.tensor(s.pages[:n])
     starts = torch.tensor([s.start for s in seqs])
     mask = _causal_mask(starts, qmax, pmax * page_size, nq)
-    return ShortQueries(token_index, valid, page_index, mask)
+    return ShortQueries(token_index, src_index, dst_index, page_index.flatten(), mask)
 
 
 def _long_query(s: SeqSlice, offset: int, page_size: int) -> LongQuery:
@@ -89,9 +116,15 @@ def build_paged_batch(
         offset += s.num_tokens
     short_rows = [i for i, s in enumerate(seqs) if s.num_tokens <= long_threshold]
     long_rows = [i for i, s in enumerate(seqs) if s.num_tokens > long_threshold]
-    short = None
-    if short_rows:
-        short = _short_queries([seqs[i] for i in short_rows], [offsets[i] for i in short_rows], ps)
+    groups = (
+        group_by_length([pages_needed(seqs[i].end, ps) for i in short_rows]) if short_rows else []
+    )
+    short = [
+        _short_queries(
+            [seqs[short_rows[g]] for g in group], [offsets[short_rows[g]] for g in group], ps
+        )
+        for group in groups
+    ]
     long = [_long_query(seqs[i], offsets[i], ps) for i in long_rows]
     batch = PagedBatch(kv, _slot_mapping(seqs, ps), short, long)
     return _to_device(batch, kv.device), torch.tensor([positions], device=kv.device)
@@ -101,12 +134,22 @@ def _to_device(batch: PagedBatch, device: torch.device) -> PagedBatch:
     if device.type == "cpu":
         return batch
 
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
 
-    short = batch.short
-    if short is not None:
-        parts = (short.token_index, short.valid, short.page_index, short.mask)
-        short = ShortQueries(*(move(t) for t in parts))  # type: ignore[arg-type]
-    long = [LongQuery(q.start, q.end, move(q.page_index), move(q.mask)) for q in batch.long]
-    return PagedBatch(batch.kv, move(batch.slot_mapping), short, long)  # type: ignore[arg-type]
+    short = [
+        ShortQueries(
+            *(move(t) for t in (s.token_index, s.src_index, s.dst_index, s.page_index, s.mask))
+        )
+        for s in batch.short
+    ]
+    long = [
+        LongQuery(
+            q.start,
+            q.end,
+            None if q.page_index is None else move(q.page_index),
+            None if q.mask is None else move(q.mask),
+        )
+        for q in batch.long
+    ]
+    return PagedBatch(batch.kv, move(batch.slot_mapping), short, long)

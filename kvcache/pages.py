@@ -94,7 +94,10 @@ class KVLayout:
 
 
 class PagedKVCache:
-    """Keys and values of every layer, `[num_layers, num_slots, kv_heads, head_dim]` each.
+    """Keys and values of every layer, `[num_layers, kv_heads, num_slots, head_dim]` each.
+
+    Head-major within a layer: gathering a request's pages yields each head's tokens contiguous,
+    the layout attention kernels read without another copy.
 
     Allocated with `torch.empty`: on CPU the operating system commits memory only for the pages
     that are written, on CUDA the budget is reserved up front as vLLM does. A page is zeroed when
@@ -108,8 +111,8 @@ class PagedKVCache:
         self.device = device
         shape = (
             layout.num_layers,
-            num_pages * layout.page_size,
             layout.num_kv_heads,
+            num_pages * layout.page_size,
             layout.head_dim,
         )
         # Post-RoPE keys: every policy that scores keys (Quest bounds, SnapKV) wants them rotated.
@@ -117,12 +120,26 @@ class PagedKVCache:
         self.values = torch.empty(shape, dtype=layout.dtype, device=device)
         self.allocator = PageAllocator(num_pages, on_first_use=self._zero_pages)
         self._zero_pages([0])  # page 0 pads every gather
+        self._workspace = torch.empty(0, dtype=layout.dtype, device=device)
+
+    def workspace(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two reusable `[kv_heads, num_pages, page_size, head_dim]` buffers for gathered pages.
+
+        Grows on demand and is reused by every layer and step: allocating tens of MB per layer
+        costs page faults on CPU and allocator churn on CUDA.
+        """
+        lay = self.layout
+        per = lay.num_kv_heads * num_pages * lay.page_size * lay.head_dim
+        if self._workspace.numel() < 2 * per:
+            self._workspace = torch.empty(2 * per, dtype=lay.dtype, device=self.device)
+        shape = (lay.num_kv_heads, num_pages, lay.page_size, lay.head_dim)
+        return self._workspace[:per].view(shape), self._workspace[per : 2 * per].view(shape)
 
     def _zero_pages(self, pages: list[int]) -> None:
         ps = self.layout.page_size
         for p in pages:
-            self.keys[:, p * ps : (p + 1) * ps].zero_()
-            self.values[:, p * ps : (p + 1) * ps].zero_()
+            self.keys[:, :, p * ps : (p + 1) * ps].zero_()
+            self.values[:, :, p * ps : (p + 1) * ps].zero_()
 
     @property
     def page_size(self) -> int:

@@ -27,7 +27,18 @@ _STRUCTURED_KINDS = (
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrains the output to a grammar: exactly one of the kinds below is set."""
+    """Constrains the output to a grammar: exactly one of the kinds below is set.
+
+    Options:
+    - `max_whitespace_cnt`: most whitespace characters in a row inside JSON (None: unbounded);
+    - `compact`: JSON without optional whitespace, separators `,` and `:`;
+    - `strict`: xgrammar's strict mode: a schema without `additionalProperties` allows none;
+    - `fidelity`: `warn` compiles a schema with keywords the grammar cannot enforce and lists them
+      in `warnings`; `strict` refuses it;
+    - `grammar_syntax`: for `grammar`, `ebnf` (GBNF `::=` rules), `lark`, or `auto` (detected);
+    - `max_whitespace_run`: a request whose last tokens are this many whitespace-only tokens ends
+      with an error instead of running to `max_tokens`.
+    """
 
     json_schema: dict[str, Any] | str | type | None = None
     json_object: bool = False
@@ -39,6 +50,9 @@ class StructuredOutput:
     max_whitespace_cnt: int | None = 8
     compact: bool = False
     strict: bool = True
+    fidelity: Literal["warn", "strict"] = "warn"
+    grammar_syntax: Literal["auto", "ebnf", "lark"] = "auto"
+    max_whitespace_run: int = 64
 
     def __post_init__(self) -> None:
         chosen = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -51,6 +65,12 @@ class StructuredOutput:
             raise ValueError("structured.choice: must hold at least one string")
         if self.max_whitespace_cnt is not None and self.max_whitespace_cnt < 1:
             raise ValueError("structured.max_whitespace_cnt: must be >= 1 or None")
+        if self.fidelity not in ("warn", "strict"):
+            raise ValueError(f"structured.fidelity: {self.fidelity!r} is not 'warn' or 'strict'")
+        if self.grammar_syntax not in ("auto", "ebnf", "lark"):
+            raise ValueError("structured.grammar_syntax: must be 'auto', 'ebnf' or 'lark'")
+        if self.max_whitespace_run < 1:
+            raise ValueError("structured.max_whitespace_run: must be >= 1")
 
     @property
     def kind(self) -> str:

@@ -40,7 +40,7 @@ def test_mixed_batch_matches_per_sequence_attention(long_threshold):
         k, v = torch.randn(total, KVH, D), torch.randn(total, KVH, D)
         for pos in range(prefix):  # the cached prefix
             slot = pages[pos // PS] * PS + pos % PS
-            kv.keys[0, slot], kv.values[0, slot] = k[pos], v[pos]
+            kv.keys[0, :, slot], kv.values[0, :, slot] = k[pos], v[pos]
         seqs.append(SeqSlice(pages, prefix, n))
         full_k.append(k)
         full_v.append(v)
@@ -59,3 +59,14 @@ def test_mixed_batch_matches_per_sequence_attention(long_threshold):
     )
     torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
     assert positions[0].tolist() == [t for p, n in shapes for t in range(p, p + n)]
+
+
+def test_grouping_bounds_padding_and_covers_every_row():
+    from kvcache.batch import group_by_length
+
+    npages = [1, 66, 3, 40, 41, 2, 65, 10]
+    groups = group_by_length(npages, slack=1.25, max_groups=8)
+    assert sorted(r for g in groups for r in g) == list(range(len(npages)))
+    for g in groups:
+        assert max(npages[r] for r in g) * len(g) <= 1.25 * sum(npages[r] for r in g)
+    assert len(group_by_length(npages, slack=1.25, max_groups=2)) <= 2

@@ -34,7 +34,7 @@ def test_layout_sizes_pool_from_budget():
     assert layout.bytes_per_token == 2 * 30 * 3 * 64 * 4
     assert layout.pages_for_budget(layout.bytes_per_page * 10 + 5) == 10
     cache = PagedKVCache(layout, 10, torch.device("cpu"))
-    assert cache.keys.shape == (30, 160, 3, 64)
+    assert cache.keys.shape == (30, 3, 160, 64)
     assert cache.bytes_in_use == 0
     cache.allocator.allocate(2)
     assert cache.bytes_in_use == 2 * layout.bytes_per_page
@@ -47,10 +47,10 @@ def test_pages_are_zeroed_on_first_use_only():
     cache.values.fill_(float("nan"))
     pages = cache.allocator.allocate(2)
     for p in pages:
-        assert torch.all(cache.keys[:, p * 2 : p * 2 + 2] == 0)
-        assert torch.all(cache.values[:, p * 2 : p * 2 + 2] == 0)
-    cache.keys[:, pages[0] * 2] = 5.0  # written by a request
+        assert torch.all(cache.keys[:, :, p * 2 : p * 2 + 2] == 0)
+        assert torch.all(cache.values[:, :, p * 2 : p * 2 + 2] == 0)
+    cache.keys[:, :, pages[0] * 2] = 5.0  # written by a request
     cache.allocator.free(pages)
     again = cache.allocator.allocate(3)
     assert pages[0] in again
-    assert torch.all(cache.keys[:, pages[0] * 2] == 5.0)  # reused pages are not re-zeroed
+    assert torch.all(cache.keys[:, :, pages[0] * 2] == 5.0)  # reused pages are not re-zeroed
