@@ -23,6 +23,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default
+    overlap_masks: bool = True  # fill grammar masks while the forward runs (False: after it)
+    jump_forward: bool = False  # append grammar-forced spans without a forward pass each
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -16,6 +16,8 @@ import torch
 
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.grammar.manager import GrammarManager
+from services.engine.grammar.provider import GrammarProvider
 from services.engine.model_runner import ModelRunner
 from services.engine.params import FinishReason, RequestOutput, SamplingParams
 from services.engine.request import Request
@@ -29,7 +31,12 @@ Prompt = str | Sequence[int]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        grammar_provider: GrammarProvider | None = None,
+    ):
         self.config = config = config or EngineConfig()
         self.runner = ModelRunner(config, loaded)
         self.tokenizer = self.runner.loaded.tokenizer
@@ -47,6 +54,14 @@ class LLMEngine:
         model_len = int(getattr(self.runner.model.config, "max_position_embeddings", pool_tokens))
         self.max_model_len = min(config.max_model_len or model_len, model_len, pool_tokens)
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarManager(
+            self.tokenizer,
+            self.runner.vocab_size,
+            sorted(self.eos_token_ids),
+            max_rows=config.max_num_seqs,
+            overlap=config.overlap_masks,
+            provider=grammar_provider,
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -100,8 +115,10 @@ class LLMEngine:
         if refusal:
             req.warnings.append(refusal)
             self._finish(req, "error")
-        else:
-            self.scheduler.add(req)
+            return req
+        if params.structured is not None:
+            self.grammars.attach(req)
+        self.scheduler.add(req)
         return req
 
     def _refusal(self, req: Request) -> str | None:
@@ -116,8 +133,6 @@ class LLMEngine:
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"maximum context of {self.max_model_len} tokens"
             )
-        if params.structured is not None:
-            return "structured: structured output is not supported by this engine build yet"
         if params.kv is not None and params.kv.kind != "full":
             return f"kv.kind: {params.kv.kind!r} is not supported by this engine build yet"
         return None
@@ -134,14 +149,24 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """One forward pass; returns the requests that produced tokens or finished."""
+        failed = self._resolve_grammars()
         sched = self.scheduler.schedule()
         if not sched.chunks:
-            return []
+            self.grammars.wait_for_compiles(timeout=0.01)
+            return failed
         self._mark_scheduled(sched)
-        logits = self.runner.forward(sched.chunks)
         sampling = [c.request for c in sched.chunks if c.samples]
+        masks = self.grammars.start_masks(sampling)  # filled on a worker while the forward runs
+        logits = self.runner.forward(sched.chunks)
+        self.grammars.apply_masks(masks, logits)
         tokens = self.sampler(logits, sampling)
-        return self._update(sched, sampling, tokens)
+        return failed + self._update(sched, sampling, tokens)
+
+    def _resolve_grammars(self) -> list[Request]:
+        failed = self.grammars.resolve()
+        for req in failed:
+            self._finish(req, "error")
+        return failed
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.perf_counter()
@@ -156,11 +181,19 @@ class LLMEngine:
             c.request.num_computed_tokens += c.num_tokens
         now = time.perf_counter()
         for req, token in zip(sampling, tokens, strict=True):
-            req.token_ids.append(token)
-            req.detokenizer.add_tokens([token])
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            reason = self._stop_reason(req, token)
+            reason = self.grammars.accept(req, token)
+            new = [token]
+            if reason is None and self.config.jump_forward:
+                room = min(
+                    req.params.max_tokens - req.num_output_tokens,
+                    self.max_model_len - req.num_tokens,
+                )
+                new = self.grammars.jump_forward(req, token, room)
+            req.token_ids.extend(new)
+            req.detokenizer.add_tokens(new)
+            reason = reason or self._stop_reason(req, new[-1])
             if reason:
                 self._finish(req, reason)
         return sampling
@@ -179,6 +212,7 @@ class LLMEngine:
         req.metrics.finished_time = time.perf_counter()
         req.metrics.num_output_tokens = req.num_output_tokens
         self.scheduler.finish(req)
+        self.grammars.validate(req)
 
     # -- outputs out ---------------------------------------------------------------------------
 
@@ -196,6 +230,7 @@ class LLMEngine:
             delta_token_ids=delta_ids,
             metrics=req.metrics,
             warnings=list(req.warnings),
+            validated=req.validated,
         )
 
     def release(self, request_id: str) -> None:

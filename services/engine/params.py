@@ -142,6 +142,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_forced_tokens: int = 0  # appended by jump-forward: each is a decode step saved
 
     @property
     def queue_time(self) -> float | None:
@@ -172,6 +173,7 @@ class RequestMetrics:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens,
             "num_preemptions": self.num_preemptions,
+            "num_forced_tokens": self.num_forced_tokens,
         }
 
 
@@ -189,3 +191,4 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     warnings: list[str] = field(default_factory=list)
+    validated: bool | None = None  # JSON outputs: whether the text validated against the schema

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.params import FinishReason, RequestMetrics, SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.grammar.backend import CompiledGrammar, GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +43,12 @@ class Request:
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     warnings: list[str] = field(default_factory=list)
+    # structured output: the compile in flight, then the compiled grammar and this request's state
+    grammar_future: Future[CompiledGrammar] | None = None
+    compiled: CompiledGrammar | None = None
+    grammar: GrammarState | None = None
+    whitespace_run: int = 0  # whitespace-only tokens at the end of the output
+    validated: bool | None = None  # JSON outputs: did the text validate against the schema
     _emitted_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -66,6 +77,11 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def ready(self) -> bool:
+        """False while the request's grammar compiles: it waits without blocking others."""
+        return self.grammar_future is None or self.grammar is not None
 
     @property
     def finished(self) -> bool:

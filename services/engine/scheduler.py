@@ -94,21 +94,24 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         cfg = self.config
+        not_ready: list[Request] = []  # grammar still compiling: keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
+            if not req.ready:
+                not_ready.append(req)
+                continue
             n = req.num_uncomputed_tokens
-            if n > budget:
-                if cfg.enable_chunked_prefill:
-                    n = budget
-                elif out.chunks:
-                    break  # unchunked: a long prompt runs alone rather than never
-            if not self._reserve_pages(req, req.num_computed_tokens + n):
+            if n > budget and cfg.enable_chunked_prefill:
+                n = budget
+            fits = n <= budget or not out.chunks  # unchunked: a long prompt runs alone, not never
+            if not fits or not self._reserve_pages(req, req.num_computed_tokens + n):
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
+        self.waiting.extendleft(reversed(not_ready))
 
     def _reserve_pages(self, req: Request, num_tokens: int) -> bool:
         missing = pages_needed(num_tokens, self.config.page_size) - len(req.pages)

@@ -1,0 +1,57 @@
+"""The grammar-backend interface the engine uses, in the shape of vLLM's structured output.
+
+A backend compiles a `StructuredOutput` once; each request then holds a `GrammarState` that accepts
+tokens, fills its row of the next-token bitmask, rolls back, and says when it has terminated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from services.engine.params import StructuredOutput
+
+
+class GrammarError(ValueError):
+    """The grammar cannot be used (invalid, over a limit, refused for fidelity); names the field."""
+
+
+@dataclass
+class CompiledGrammar:
+    """What a backend compiled, plus what it could not enforce."""
+
+    handle: Any
+    warnings: list[str] = field(default_factory=list)
+    schema: dict[str, Any] | None = None  # for validating JSON outputs after decoding
+
+
+class GrammarState(Protocol):
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Fills `bitmask[row]`; False when every token is allowed (nothing to apply)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+    def jump_forward(self) -> str:
+        """The text the grammar forces next ('' when none)."""
+        ...
+
+
+class GrammarBackend(Protocol):
+    vocab_size: int
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar: ...
+
+    def new_state(self, compiled: CompiledGrammar) -> GrammarState: ...
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
+
+    def apply_bitmask(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+    ) -> None: ...

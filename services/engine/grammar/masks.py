@@ -1,0 +1,60 @@
+"""Fills the next-token bitmasks of constrained rows, overlapped with the forward pass.
+
+`start()` hands the fill to a worker thread and returns at once, so the CPU work of the grammar runs
+while the model computes (torch releases the GIL inside its kernels, on CUDA the forward is
+asynchronous anyway); `apply()` waits for it and masks the logits. With `overlap=False` (the plain
+twin) the fill runs inside `apply()`, after the forward. Both fill the same rows the same way, so
+they give the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.grammar.backend import GrammarBackend, GrammarState
+from services.engine.request import Request
+
+
+@dataclass
+class PendingMasks:
+    rows: list[tuple[int, GrammarState]]
+    future: Future[list[int]] | None
+
+
+class MaskFiller:
+    def __init__(self, backend: GrammarBackend, max_rows: int, overlap: bool = True) -> None:
+        self.backend = backend
+        self.overlap = overlap
+        self.bitmask = backend.allocate_bitmask(max_rows)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask") if overlap else None
+        self.fill_seconds: list[float] = []  # per step with constrained rows, for benchmarks
+
+    def start(self, requests: list[Request]) -> PendingMasks | None:
+        rows = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return None
+        if self._pool is None:
+            return PendingMasks(rows, None)
+        return PendingMasks(rows, self._pool.submit(self._fill, rows))
+
+    def _fill(self, rows: list[tuple[int, GrammarState]]) -> list[int]:
+        """Rows whose mask restricts something; rows that allow every token are skipped."""
+        start = time.perf_counter()
+        need = [i for i, state in rows if state.fill_bitmask(self.bitmask, i)]
+        self.fill_seconds.append(time.perf_counter() - start)
+        return need
+
+    def apply(self, pending: PendingMasks | None, logits: torch.Tensor) -> None:
+        if pending is None:
+            return
+        need = pending.future.result() if pending.future is not None else self._fill(pending.rows)
+        if need:
+            self.backend.apply_bitmask(logits, self.bitmask, need)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

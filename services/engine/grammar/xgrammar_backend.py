@@ -1,0 +1,135 @@
+"""xgrammar as the grammar backend."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from services.engine.grammar.backend import CompiledGrammar, GrammarError
+from services.engine.grammar.fidelity import loosened_keywords
+from services.engine.params import StructuredOutput
+
+# The compiler's own cache is unbounded by default (a memory DoS); ours sits in front of it.
+COMPILER_CACHE_BYTES = 256 << 20
+
+
+def schema_dict(schema: dict[str, Any] | str | type) -> dict[str, Any]:
+    """A JSON Schema as a dict, from a dict, a JSON string or a pydantic model class."""
+    if isinstance(schema, dict):
+        return schema
+    if isinstance(schema, str):
+        try:
+            loaded = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"structured.json_schema: not valid JSON ({exc})") from exc
+        if not isinstance(loaded, dict):
+            raise GrammarError("structured.json_schema: must be a JSON object")
+        return loaded
+    if hasattr(schema, "model_json_schema"):
+        return schema.model_json_schema()
+    raise GrammarError(f"structured.json_schema: unsupported type {type(schema).__name__}")
+
+
+def grammar_syntax(spec: StructuredOutput) -> str:
+    """'ebnf' (GBNF-style `::=` rules) or 'lark' (`rule: ...`), detected unless named."""
+    if spec.grammar_syntax != "auto":
+        return spec.grammar_syntax
+    return "ebnf" if "::=" in (spec.grammar or "") else "lark"
+
+
+def _clean_message(exc: Exception) -> str:
+    """xgrammar's first error line without its `[time] source.cc:line:` prefix."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)[:300]
+
+
+class XGrammarState:
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._m = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._m.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        return bool(self._m.fill_next_token_bitmask(bitmask, row))
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def jump_forward(self) -> str:
+        return str(self._m.find_jump_forward_string())
+
+
+class XGrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None):
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self._compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES
+        )
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        try:
+            return self._compile(spec)
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError on invalid input
+            raise GrammarError(f"structured.{spec.kind}: {_clean_message(exc)}") from exc
+
+    def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        c = self._compiler
+        if spec.json_schema is not None:
+            schema = schema_dict(spec.json_schema)
+            warnings = loosened_keywords(schema)
+            if warnings and spec.fidelity == "strict":
+                raise GrammarError(
+                    "structured.json_schema: keywords the grammar cannot enforce: "
+                    + "; ".join(warnings)
+                )
+            handle = c.compile_json_schema(
+                json.dumps(schema),
+                any_whitespace=not spec.compact,
+                separators=(",", ":") if spec.compact else None,
+                strict_mode=spec.strict,
+                max_whitespace_cnt=None if spec.compact else spec.max_whitespace_cnt,
+            )
+            return CompiledGrammar(handle, warnings, schema)
+        if spec.json_object:  # any JSON object (the OpenAI meaning), not any JSON value
+            handle = c.compile_json_schema(
+                '{"type": "object"}',
+                any_whitespace=not spec.compact,
+                separators=(",", ":") if spec.compact else None,
+                strict_mode=False,
+                max_whitespace_cnt=None if spec.compact else spec.max_whitespace_cnt,
+            )
+            return CompiledGrammar(handle, [], {"type": "object"})
+        if spec.regex is not None:
+            return CompiledGrammar(c.compile_regex(spec.regex))
+        if spec.choice is not None:
+            return CompiledGrammar(c.compile_regex("|".join(re.escape(x) for x in spec.choice)))
+        if spec.grammar is not None:
+            if grammar_syntax(spec) == "ebnf":
+                return CompiledGrammar(c.compile_grammar(spec.grammar))
+            return CompiledGrammar(c.compile_lark(spec.grammar))
+        if spec.structural_tag is not None:
+            return CompiledGrammar(c.compile_structural_tag(json.dumps(spec.structural_tag)))
+        raise GrammarError(f"structured.{spec.kind}: needs the grammar registry to resolve")
+
+    def new_state(self, compiled: CompiledGrammar) -> XGrammarState:
+        return XGrammarState(xgr.GrammarMatcher(compiled.handle))
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)

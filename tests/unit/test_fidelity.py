@@ -1,0 +1,33 @@
+import pytest
+
+from services.engine.grammar.fidelity import loosened_keywords
+
+
+@pytest.mark.parametrize(
+    ("schema", "expected"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string"}}}, []),
+        ({"type": "array", "uniqueItems": True}, ["#/uniqueItems: not enforced"]),
+        (
+            {"properties": {"tags": {"items": {"not": {"type": "null"}}}}},
+            ["#/properties/tags/items/not: not enforced"],
+        ),
+        ({"type": "number", "multipleOf": 0.5}, ["#/multipleOf: only integers up to 1024"]),
+        ({"type": "integer", "multipleOf": 4}, []),
+        (
+            {"type": "string", "maxLength": 5, "pattern": "^a+$"},
+            ["#/minLength,maxLength: not enforced together with pattern/format"],
+        ),
+        ({"$ref": "https://example.com/s.json"}, ["#/$ref: remote references are not resolved"]),
+        ({"$ref": "#/$defs/x", "$defs": {"x": {"if": {}}}}, ["#/$defs/x/if: not enforced"]),
+        (
+            {"anyOf": [{"type": "string"}, {"oneOf": [{}, {}]}]},
+            ["#/anyOf/1/oneOf: enforced as anyOf"],
+        ),
+    ],
+)
+def test_loosened_keywords_are_found_with_their_path(schema, expected):
+    found = loosened_keywords(schema)
+    assert len(found) == len(expected)
+    for f, e in zip(found, expected, strict=True):
+        assert f.startswith(e)
