@@ -34,7 +34,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype(self.device)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        attn = attention.register()
+        self._attn = attn = attention.register()
         if loaded is None:
             loaded = load_model(config.model, device=self.device, dtype=self.dtype)
         loaded.model.to(device=self.device, dtype=self.dtype)
@@ -66,6 +66,9 @@ class ModelRunner:
             token_ids.extend(c.request.token_ids[c.start : c.start + c.num_tokens])
             if c.samples:
                 sample_rows.append(len(token_ids) - 1)
+        if self.model.config._attn_implementation != self._attn:
+            # another user of this model object (a peer in a benchmark, a test) switched it back
+            self.model.set_attn_implementation(self._attn)
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(sample_rows, device=self.device)

@@ -127,3 +127,10 @@ def test_async_stream_deltas_add_up_and_early_exit_aborts(loaded_model):
             llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_engine_survives_the_model_being_switched_to_another_attention(llm):
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    before = llm.generate(PROMPT, sp)[0].token_ids
+    llm.engine.runner.model.set_attn_implementation("sdpa")  # e.g. a peer run on the same object
+    assert llm.generate(PROMPT, sp)[0].token_ids == before
