@@ -61,9 +61,7 @@ def main() -> None:
     for i in range(0, len(runnable), args.batch):
         chunk = runnable[i : i + args.batch]
         prompts = [
-            llm.engine.apply_chat_template(
-                [{"role": "user", "content": ask + json.dumps(s)[:2000]}]
-            )
+            llm.engine.apply_chat_template([{"role": "user", "content": ask + json.dumps(s)[:600]}])
             for _, s in chunk
         ]
         sps = [

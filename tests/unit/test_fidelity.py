@@ -24,6 +24,10 @@ from services.engine.grammar.fidelity import loosened_keywords
             {"anyOf": [{"type": "string"}, {"oneOf": [{}, {}]}]},
             ["#/anyOf/1/oneOf: enforced as anyOf"],
         ),
+        ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, ["#/allOf: several branches"]),
+        ({"allOf": [{"type": "object"}]}, []),
+        ({"type": "string", "pattern": "^a$|^b$"}, ["#/pattern: anchors inside"]),
+        ({"type": "string", "pattern": "^[a-z^$]+\\$$"}, []),
     ],
 )
 def test_loosened_keywords_are_found_with_their_path(schema, expected):

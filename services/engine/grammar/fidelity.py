@@ -6,6 +6,7 @@ them must be told, and refused when it asks for strict fidelity.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 _IGNORED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else")
@@ -34,7 +35,22 @@ def _local_findings(node: dict[str, Any], path: str) -> list[str]:
         found.append(f"{path}/$ref: remote references are not resolved")
     if "oneOf" in node:
         found.append(f"{path}/oneOf: enforced as anyOf (exclusivity not checked)")
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        found.append(f"{path}/allOf: several branches are merged loosely")
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and _inner_anchor(pattern):
+        found.append(f"{path}/pattern: anchors inside the pattern are ignored")
     return found
+
+
+def _inner_anchor(pattern: str) -> bool:
+    """`^` or `$` anywhere but the two ends (e.g. `^a$|^b$`): xgrammar drops such anchors."""
+    inner = pattern[1:] if pattern.startswith("^") else pattern
+    inner = inner[:-1] if inner.endswith("$") and not inner.endswith("\\$") else inner
+    unescaped = inner.replace("\\\\", "").replace("\\^", "").replace("\\$", "")
+    unescaped = re.sub(r"\[[^\]]*\]", "", unescaped)  # anchors inside [...] are literals
+    return "^" in unescaped or "$" in unescaped
 
 
 def loosened_keywords(schema: Any, path: str = "#") -> list[str]:
