@@ -41,6 +41,13 @@ def grammar_syntax(spec: StructuredOutput) -> str:
     return "ebnf" if "::=" in (spec.grammar or "") else "lark"
 
 
+def _json_layout(spec: StructuredOutput) -> dict[str, Any]:
+    """Whitespace options: compact JSON has none; otherwise runs of it are capped."""
+    if spec.compact:
+        return {"any_whitespace": False, "separators": (",", ":")}
+    return {"any_whitespace": True, "max_whitespace_cnt": spec.max_whitespace_cnt}
+
+
 def _clean_message(exc: Exception) -> str:
     """xgrammar's first error line without its `[time] source.cc:line:` prefix."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -96,20 +103,12 @@ class XGrammarBackend:
                     + "; ".join(warnings)
                 )
             handle = c.compile_json_schema(
-                json.dumps(schema),
-                any_whitespace=not spec.compact,
-                separators=(",", ":") if spec.compact else None,
-                strict_mode=spec.strict,
-                max_whitespace_cnt=None if spec.compact else spec.max_whitespace_cnt,
+                json.dumps(schema), strict_mode=spec.strict, **_json_layout(spec)
             )
             return CompiledGrammar(handle, warnings, schema)
         if spec.json_object:  # any JSON object (the OpenAI meaning), not any JSON value
             handle = c.compile_json_schema(
-                '{"type": "object"}',
-                any_whitespace=not spec.compact,
-                separators=(",", ":") if spec.compact else None,
-                strict_mode=False,
-                max_whitespace_cnt=None if spec.compact else spec.max_whitespace_cnt,
+                '{"type": "object"}', strict_mode=False, **_json_layout(spec)
             )
             return CompiledGrammar(handle, [], {"type": "object"})
         if spec.regex is not None:
