@@ -100,6 +100,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self.engine.grammars.shutdown()
 
     # -- the engine thread ---------------------------------------------------------------------
 
