@@ -26,6 +26,7 @@ from services.engine.grammar.fidelity import loosened_keywords
         ),
         ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, ["#/allOf: several branches"]),
         ({"allOf": [{"type": "object"}]}, []),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, ["#/dependentRequired: not"]),
         ({"type": "string", "pattern": "^a$|^b$"}, ["#/pattern: anchors inside"]),
         ({"type": "string", "pattern": "^[a-z^$]+\\$$"}, []),
     ],

@@ -9,7 +9,21 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_IGNORED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else")
+_IGNORED = (
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "not",
+    "if",
+    "then",
+    "else",
+    # seen decoding maskbench: outputs that ignored these validated false
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "propertyNames",
+)
 _LENGTH = ("minLength", "maxLength")
 _PATTERNED = ("pattern", "format")
 _CHILD_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
