@@ -69,9 +69,8 @@ def valid_count(texts: list[str], schemas: list[dict]) -> int:
 
 def run_engine(llm: LLM, prompts, params, repeats: int = 2) -> dict:
     """Best of `repeats` runs (this machine is noisy; greedy decoding repeats the same tokens)."""
-    masks = llm.engine.grammars._masks
-    if masks is not None:
-        masks.fill_seconds.clear()
+    masks = llm.engine.grammars.masks
+    masks.fill_seconds.clear()
     elapsed = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -79,7 +78,7 @@ def run_engine(llm: LLM, prompts, params, repeats: int = 2) -> dict:
         elapsed = min(elapsed, time.perf_counter() - start)
     tokens = sum(len(o.token_ids) for o in outs)
     forced = sum(o.metrics.num_forced_tokens for o in outs)
-    fills = list(masks.fill_seconds) if masks is not None else []
+    fills = list(masks.fill_seconds)
     return {
         "seconds": elapsed,
         "output_tokens": tokens,

@@ -46,10 +46,6 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:

@@ -10,6 +10,7 @@ they give the same tokens.
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,10 +29,10 @@ class PendingMasks:
 class MaskFiller:
     def __init__(self, backend: GrammarBackend, max_rows: int, overlap: bool = True) -> None:
         self.backend = backend
-        self.overlap = overlap
         self.bitmask = backend.allocate_bitmask(max_rows)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask") if overlap else None
-        self.fill_seconds: list[float] = []  # per step with constrained rows, for benchmarks
+        # recent fill times (steps with constrained rows), bounded: the service runs for days
+        self.fill_seconds: deque[float] = deque(maxlen=4096)
 
     def start(self, requests: list[Request]) -> PendingMasks | None:
         rows = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
