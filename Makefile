@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 CORE := services kvcache grammar_registry deployments
 
-.PHONY: setup redis lint typecheck test test-fast serve bench clean
+.PHONY: setup redis helm lint typecheck test test-fast serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ setup: $(STAMP)
 redis:
 	@scripts/ensure-redis.sh "$(REDIS_URL)"
 
+helm: setup
+	scripts/install-helm.sh
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -31,14 +34,14 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy $(CORE)
 
-test: setup redis lint typecheck
+test: setup redis helm lint typecheck
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests/unit
 
 serve: setup redis
-	$(BIN)/python -m services.demo
+	$(BIN)/python -m deployments.cli serve --redis-url "$(REDIS_URL)"
 
 bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -2,10 +2,12 @@
 
 For each schema: compile it (with fidelity `warn`), skip it from the count when it does not compile
 or has keywords the grammar cannot enforce (both listed), decode greedily with the schema as the
-constraint, and validate the text with `jsonschema`. Prints the counts and every exception, writes
-`benchmarks/results/maskbench_eval.json`.
+constraint, and validate the text with `jsonschema`. Outputs that reach max_tokens are checked for
+a loop (the text ends in a unit repeated at least 3 times, as a small model does inside an unbounded
+string); those that do not loop are decoded again with `--retry-max-tokens`. Prints the counts and
+every exception, writes `benchmarks/results/maskbench_eval.json`.
 
-    .venv/bin/python benchmarks/maskbench_eval.py [--limit N] [--max-tokens 512] [--batch 32]
+    .venv/bin/python benchmarks/maskbench_eval.py [--limit N] [--max-tokens 256] [--batch 32]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -25,12 +28,59 @@ from services.models import load_model
 ROOT = Path(__file__).resolve().parents[1]
 MASKBENCH = ROOT.parent / "shared" / "data" / "maskbench"
 RESULTS = Path(__file__).resolve().parent / "results"
+ASK = "Produce a JSON value for this schema, nothing else: "
+
+
+def ends_in_loop(text: str, min_repeats: int = 3, min_span: int = 32, max_unit: int = 64) -> bool:
+    """True when the text ends with one unit (1..max_unit chars) repeated over its last
+    min_span chars at least, and at least min_repeats times."""
+    for unit in range(1, max_unit + 1):
+        repeats = max(min_repeats, -(-min_span // unit))
+        tail = text[-unit * repeats :]
+        if len(tail) == unit * repeats and tail == tail[:unit] * repeats:
+            return True
+    return False
+
+
+def decode(llm: LLM, runnable: list[tuple[str, Any]], max_tokens: int, batch: int) -> list[dict]:
+    results: list[dict] = []
+    start = time.perf_counter()
+    for i in range(0, len(runnable), batch):
+        chunk = runnable[i : i + batch]
+        prompts = [
+            llm.engine.apply_chat_template([{"role": "user", "content": ASK + json.dumps(s)[:600]}])
+            for _, s in chunk
+        ]
+        sps = [
+            SamplingParams(
+                max_tokens=max_tokens, temperature=0, structured=StructuredOutput(json_schema=s)
+            )
+            for _, s in chunk
+        ]
+        for (name, _), out in zip(chunk, llm.generate(prompts, sps), strict=True):
+            results.append(
+                {
+                    "file": name,
+                    "finish_reason": out.finish_reason,
+                    "validated": out.validated,
+                    "looping": out.finish_reason == "length" and ends_in_loop(out.text),
+                    "tokens": len(out.token_ids),
+                    "warnings": out.warnings,
+                    "tail": out.text[-80:],
+                }
+            )
+        print(
+            f"  {len(results)}/{len(runnable)} decoded, {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+    return results
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--limit", type=int, default=0, help="first N files only (0: all)")
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--retry-max-tokens", type=int, default=1024)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--jump-forward", action="store_true")
     args = p.parse_args()
@@ -56,52 +106,43 @@ def main() -> None:
         f"{len(runnable)} to decode",
         flush=True,
     )
-    ask = "Produce a JSON value for this schema, nothing else: "
-    results, start = [], time.perf_counter()
-    for i in range(0, len(runnable), args.batch):
-        chunk = runnable[i : i + args.batch]
-        prompts = [
-            llm.engine.apply_chat_template([{"role": "user", "content": ask + json.dumps(s)[:600]}])
-            for _, s in chunk
-        ]
-        sps = [
-            SamplingParams(
-                max_tokens=args.max_tokens,
-                temperature=0,
-                structured=StructuredOutput(json_schema=s),
-            )
-            for _, s in chunk
-        ]
-        for (name, _), out in zip(chunk, llm.generate(prompts, sps), strict=True):
-            results.append(
-                {
-                    "file": name,
-                    "finish_reason": out.finish_reason,
-                    "validated": out.validated,
-                    "tokens": len(out.token_ids),
-                    "warnings": out.warnings,
-                }
-            )
-        done = len(results)
-        print(f"  {done}/{len(runnable)} decoded, {time.perf_counter() - start:.0f} s", flush=True)
+    results = decode(llm, runnable, args.max_tokens, args.batch)
+    unfinished = {r["file"] for r in results if r["finish_reason"] == "length" and not r["looping"]}
+    if unfinished and args.retry_max_tokens > args.max_tokens:
+        print(f"{len(unfinished)} unfinished without a loop: again with {args.retry_max_tokens}")
+        retry = [x for x in runnable if x[0] in unfinished]
+        again = {r["file"]: r for r in decode(llm, retry, args.retry_max_tokens, args.batch)}
+        results = [again.get(r["file"], r) for r in results]
+
     ok = [r for r in results if r["validated"]]
     bad = [r for r in results if not r["validated"]]
+    looping = [r for r in bad if r["looping"]]
+    invalid = [r for r in bad if r["finish_reason"] != "length"]
+    no_loop = len(bad) - len(looping) - len(invalid)
     summary = {
         "schemas": len(files),
         "not_compiled": not_compiled,
         "loosened": loosened,
         "decoded": len(results),
         "validated": len(ok),
+        "looping": len(looping),
+        "length_without_loop": no_loop,
+        "terminated_invalid": len(invalid),
         "exceptions": bad,
         "max_tokens": args.max_tokens,
+        "retry_max_tokens": args.retry_max_tokens,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "maskbench_eval.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nvalidated {len(ok)} of {len(results)} decoded outputs")
+    print(
+        f"\nvalidated {len(ok)} of {len(results)} decoded outputs; {len(looping)} loop until "
+        f"max_tokens, {no_loop} reach it without a loop, {len(invalid)} terminated invalid"
+    )
     for r in bad:
-        print(
-            f"  {r['file']}: {r['finish_reason']} after {r['tokens']} tokens; {r['warnings'][-1:]}"
-        )
+        kind = "loop" if r["looping"] else r["finish_reason"]
+        print(f"  {r['file']}: {kind} after {r['tokens']} tokens, ends {r['tail'][-40:]!r}")
+        if r["finish_reason"] != "length":
+            print(f"    {r['warnings'][-1:]}")
     for r in not_compiled:
         print(f"  not compiled: {r['file']}: {r['error'][:160]}")
 

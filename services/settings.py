@@ -23,3 +23,8 @@ def force_offline() -> None:
 
 def default_model() -> str | None:
     return os.environ.get("STRUCTSERVE_MODEL") or None
+
+
+def api_key() -> str | None:
+    """The default tenant's API key (`STRUCTSERVE_API_KEY`), if one is set."""
+    return os.environ.get("STRUCTSERVE_API_KEY") or None

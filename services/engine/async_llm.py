@@ -58,6 +58,7 @@ class _Add:
     prompt: Prompt
     params: SamplingParams
     stream: RequestStream
+    tenant: str = "default"
 
 
 class AsyncLLM:
@@ -76,7 +77,11 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        tenant: str = "default",
     ) -> RequestStream:
         """Queues a request; must be called from a running event loop."""
         if self._error is not None:
@@ -85,7 +90,7 @@ class AsyncLLM:
             self._counter += 1
             request_id = request_id or f"async-{self._counter}"
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._commands.put(_Add(prompt, params, stream))
+        self._commands.put(_Add(prompt, params, stream, tenant))
         return stream
 
     async def generate(
@@ -93,6 +98,11 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         async for out in self.add_request(prompt, params, request_id):
             yield out
+
+    def check_alive(self) -> None:
+        """Raises `EngineDeadError` once the engine loop has stopped (for health checks)."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine loop has stopped") from self._error
 
     def abort(self, request_id: str) -> None:
         self._commands.put(request_id)
@@ -136,7 +146,7 @@ class AsyncLLM:
             return
         rid = cmd.stream.request_id
         try:
-            req = self.engine.add_request(cmd.prompt, cmd.params, rid)
+            req = self.engine.add_request(cmd.prompt, cmd.params, rid, cmd.tenant)
         except ValueError as exc:
             cmd.stream.put(exc)
             return

@@ -25,6 +25,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: torch's default
     overlap_masks: bool = True  # fill grammar masks while the forward runs (False: after it)
     jump_forward: bool = False  # append grammar-forced spans without a forward pass each
+    # Grammar compiles: in this many worker processes behind limits, a deadline and a mask probe
+    # (the compile service); 0 compiles in-process with no guard (the plain twin, for tests).
+    grammar_workers: int = 1
+    grammar_redis_url: str | None = None  # the shared verdict cache; None: in-process only
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -33,6 +37,8 @@ class EngineConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size: must be a power of two, got {self.page_size}")
+        if self.grammar_workers < 0:
+            raise ValueError("grammar_workers: must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory: must be a positive number of bytes")
 

@@ -61,20 +61,15 @@ class LLMEngine:
             max_rows=config.max_num_seqs,
             overlap=config.overlap_masks,
             provider=grammar_provider,
+            workers=config.grammar_workers,
+            redis_url=config.grammar_redis_url,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
     def _eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (
-            self.runner.model.generation_config,
-            self.runner.model.config,
-            self.tokenizer,
-        ):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-        return frozenset(ids)
+        model = self.runner.model
+        return eos_token_ids(model.generation_config, model.config, self.tokenizer)
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -92,7 +87,11 @@ class LLMEngine:
         return [int(t) for t in ids]
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        tenant: str = "default",
     ) -> Request:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -109,11 +108,13 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop or ()),  # type: ignore[arg-type]
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             generator=generator,
+            tenant=tenant,
         )
         self.requests[request_id] = req
         refusal = self._refusal(req)
         if refusal:
             req.warnings.append(refusal)
+            req.error_status = 400
             self._finish(req, "error")
             return req
         if params.structured is not None:
@@ -231,6 +232,7 @@ class LLMEngine:
             metrics=req.metrics,
             warnings=list(req.warnings),
             validated=req.validated,
+            error_status=req.error_status,
         )
 
     def release(self, request_id: str) -> None:
@@ -238,3 +240,13 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and req.finished:
             del self.requests[request_id]
+
+
+def eos_token_ids(*sources: Any) -> frozenset[int]:
+    """Every end-of-sequence id named by the generation config, the model config or the tokenizer
+    (the grammar service computes the same set, so both build the same tokenizer info)."""
+    ids: set[int] = set()
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)

@@ -7,15 +7,22 @@ from typing import Any
 
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, Prompt
+from services.engine.grammar.provider import GrammarProvider
 from services.engine.params import RequestOutput, SamplingParams
 from services.models import LoadedModel
 
 
 class LLM:
     def __init__(
-        self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_kwargs: Any
+        self,
+        model: str | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+        grammar_provider: GrammarProvider | None = None,
+        **engine_kwargs: Any,
     ):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded)
+        config = EngineConfig(model=model, **engine_kwargs)
+        self.engine = LLMEngine(config, loaded, grammar_provider)
 
     @property
     def tokenizer(self) -> Any:

@@ -192,3 +192,4 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     warnings: list[str] = field(default_factory=list)
     validated: bool | None = None  # JSON outputs: whether the text validated against the schema
+    error_status: int | None = None  # finish_reason "error": 400 bad input, 404, 422, 429

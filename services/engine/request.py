@@ -36,6 +36,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    tenant: str = "default"  # scopes registered grammars and compile quotas
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
@@ -49,6 +50,7 @@ class Request:
     grammar: GrammarState | None = None
     whitespace_run: int = 0  # whitespace-only tokens at the end of the output
     validated: bool | None = None  # JSON outputs: did the text validate against the schema
+    error_status: int | None = None  # finish_reason "error": the HTTP status it maps to
     _emitted_tokens: int = 0
 
     def __post_init__(self) -> None:

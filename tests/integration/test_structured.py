@@ -146,7 +146,10 @@ class GatedProvider:
         self.inner = inner
         self.gate = threading.Event()
 
-    def submit(self, spec):
+    def shutdown(self) -> None:
+        pass
+
+    def submit(self, spec, tenant="default"):
         out: Future = Future()
 
         def later() -> None:

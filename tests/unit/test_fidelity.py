@@ -29,6 +29,22 @@ from services.engine.grammar.fidelity import loosened_keywords
         ({"type": "object", "dependentRequired": {"a": ["b"]}}, ["#/dependentRequired: not"]),
         ({"type": "string", "pattern": "^a$|^b$"}, ["#/pattern: anchors inside"]),
         ({"type": "string", "pattern": "^[a-z^$]+\\$$"}, []),
+        # seen in maskbench: decoded outputs that followed the grammar and failed validation
+        (
+            {"properties": {"a": {}, "b": {}}, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+            ["#/anyOf/0: a branch without a type", "#/anyOf/1: a branch without a type"],
+        ),
+        ({"anyOf": [{"type": "object", "required": ["a"]}, {"type": "string"}]}, []),
+        (
+            {"properties": {"name": {}}, "required": ["id", "name"]},
+            ["#/required: id not in properties"],
+        ),
+        (
+            {"properties": {"b": {"type": "object", "enum": ["X", "Y"]}}},
+            ["#/properties/b/type: contradicts enum/const"],
+        ),
+        ({"type": ["string", "null"], "enum": ["X", None]}, []),
+        ({"type": "integer", "const": True}, ["#/type: contradicts"]),
     ],
 )
 def test_loosened_keywords_are_found_with_their_path(schema, expected):

@@ -15,7 +15,19 @@ from services.engine.params import StructuredOutput
 
 
 class GrammarError(ValueError):
-    """The grammar cannot be used (invalid, over a limit, refused for fidelity); names the field."""
+    """The grammar cannot be used; the message names the field.
+
+    `reason`: invalid | limit | fidelity | timeout | slow_mask | memory | crash | busy | not_found;
+    `status`: the HTTP status an ingress answers with (400, 404, 422 or 429).
+    """
+
+    def __init__(self, message: str, reason: str = "invalid", status: int = 400) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, int]]:  # crosses process boundaries
+        return (type(self), (str(self), self.reason, self.status))
 
 
 @dataclass

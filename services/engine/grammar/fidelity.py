@@ -55,7 +55,70 @@ def _local_findings(node: dict[str, Any], path: str) -> list[str]:
     pattern = node.get("pattern")
     if isinstance(pattern, str) and _inner_anchor(pattern):
         found.append(f"{path}/pattern: anchors inside the pattern are ignored")
+    found += _untyped_branches(node, path)
+    found += _undeclared_required(node, path)
+    found += _values_against_type(node, path)
     return found
+
+
+# A branch carrying one of these keywords describes a value; one without (e.g. `{"required": [..]}`)
+# is compiled as "any JSON value", which makes the whole anyOf/oneOf accept anything.
+_SHAPING = ("type", "properties", "items", "prefixItems", "$ref", "enum", "const", "anyOf", "oneOf")
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+    "array": (list,),
+    "object": (dict,),
+}
+
+
+def _untyped_branches(node: dict[str, Any], path: str) -> list[str]:
+    found = []
+    for key in ("anyOf", "oneOf"):
+        branches = node.get(key)
+        if not isinstance(branches, list):
+            continue
+        for i, branch in enumerate(branches):
+            if isinstance(branch, dict) and branch and not any(k in branch for k in _SHAPING):
+                found.append(f"{path}/{key}/{i}: a branch without a type accepts any value")
+    return found
+
+
+def _undeclared_required(node: dict[str, Any], path: str) -> list[str]:
+    required = node.get("required")
+    props = node.get("properties")
+    if not isinstance(required, list) or not isinstance(props, dict):
+        return []
+    missing = [name for name in required if isinstance(name, str) and name not in props]
+    if not missing:
+        return []
+    return [f"{path}/required: {', '.join(missing)} not in properties, so not enforced"]
+
+
+def _matches_type(value: Any, type_name: str) -> bool:
+    kinds = _JSON_TYPES.get(type_name)
+    if kinds is None:
+        return True
+    if isinstance(value, bool) and type_name in ("integer", "number"):
+        return False
+    return isinstance(value, kinds)
+
+
+def _values_against_type(node: dict[str, Any], path: str) -> list[str]:
+    """`{"type": "object", "enum": ["A"]}`: the grammar follows the values, jsonschema both."""
+    declared = node.get("type")
+    types = [declared] if isinstance(declared, str) else declared
+    if not isinstance(types, list):
+        return []
+    values = node["enum"] if isinstance(node.get("enum"), list) else []
+    if "const" in node:
+        values = [*values, node["const"]]
+    if any(not any(_matches_type(v, t) for t in types) for v in values):
+        return [f"{path}/type: contradicts enum/const values; the values are used"]
+    return []
 
 
 def _inner_anchor(pattern: str) -> bool:

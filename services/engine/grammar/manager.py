@@ -30,6 +30,8 @@ class GrammarManager:
         overlap: bool = True,
         provider: GrammarProvider | None = None,
         backend: GrammarBackend | None = None,
+        workers: int = 0,
+        redis_url: str | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -38,6 +40,8 @@ class GrammarManager:
         self._overlap = overlap
         self._backend = backend
         self._provider = provider
+        self._workers = workers
+        self._redis_url = redis_url
         self._masks: MaskFiller | None = None
         self._pending: list[Request] = []
         self._whitespace: dict[int, bool] = {}
@@ -49,10 +53,22 @@ class GrammarManager:
             self._backend = XGrammarBackend(self._tokenizer, self._vocab_size, self._stop_token_ids)
         return self._backend
 
+    def use_provider(self, provider: GrammarProvider) -> None:
+        """Replaces the provider before the first structured request (a serving replica's)."""
+        self._provider = provider
+
     @property
     def provider(self) -> GrammarProvider:
         if self._provider is None:
-            self._provider = LocalGrammarProvider(self.backend)
+            if self._workers > 0:
+                from services.compiler import build_provider  # the service imports the engine
+
+                backend = self.backend
+                if not isinstance(backend, XGrammarBackend):
+                    raise TypeError("grammar_workers > 0 needs the xgrammar backend")
+                self._provider = build_provider(backend, self._workers, self._redis_url)
+            else:
+                self._provider = LocalGrammarProvider(self.backend)
         return self._provider
 
     @property
@@ -64,7 +80,7 @@ class GrammarManager:
     def attach(self, req: Request) -> None:
         """Starts compiling the request's grammar; the request waits in the queue meanwhile."""
         assert req.params.structured is not None
-        req.grammar_future = self.provider.submit(req.params.structured)
+        req.grammar_future = self.provider.submit(req.params.structured, req.tenant)
         self._pending.append(req)
 
     def resolve(self) -> list[Request]:
@@ -80,6 +96,7 @@ class GrammarManager:
             exc = fut.exception()
             if exc is not None:
                 req.warnings.append(str(exc))
+                req.error_status = int(getattr(exc, "status", 400))
                 failed.append(req)
                 continue
             req.compiled = fut.result()
@@ -187,3 +204,5 @@ class GrammarManager:
     def shutdown(self) -> None:
         if self._masks is not None:
             self._masks.shutdown()
+        if self._provider is not None:
+            self._provider.shutdown()

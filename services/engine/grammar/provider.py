@@ -18,8 +18,11 @@ from services.engine.params import StructuredOutput
 
 
 class GrammarProvider(Protocol):
-    def submit(self, spec: StructuredOutput) -> Future[CompiledGrammar]:
-        """A future of the compiled grammar; it fails with `GrammarError` for unusable input."""
+    def shutdown(self) -> None: ...
+
+    def submit(self, spec: StructuredOutput, tenant: str = "default") -> Future[CompiledGrammar]:
+        """A future of the compiled grammar; it fails with `GrammarError` for unusable input.
+        `tenant` scopes `grammar_id` lookups and compile quotas."""
         ...
 
 
@@ -40,7 +43,7 @@ class LocalGrammarProvider:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self.num_compiles = 0
 
-    def submit(self, spec: StructuredOutput) -> Future[CompiledGrammar]:
+    def submit(self, spec: StructuredOutput, tenant: str = "default") -> Future[CompiledGrammar]:
         key = spec_key(spec)
         with self._lock:
             fut = self._cache.get(key)

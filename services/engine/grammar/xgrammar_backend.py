@@ -54,6 +54,13 @@ def _clean_message(exc: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)[:300]
 
 
+def fidelity_error(warnings: list[str]) -> GrammarError:
+    return GrammarError(
+        "structured.json_schema: keywords the grammar cannot enforce: " + "; ".join(warnings),
+        reason="fidelity",
+    )
+
+
 class XGrammarState:
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self._m = matcher
@@ -75,14 +82,33 @@ class XGrammarState:
 
 
 class XGrammarBackend:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None = None):
-        self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
-        )
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        vocab_size: int = 0,
+        stop_token_ids: list[int] | None = None,
+        *,
+        tokenizer_info: xgr.TokenizerInfo | None = None,
+        cache: bool = True,
+    ):
+        """From a Hugging Face tokenizer, or from an xgrammar `tokenizer_info` (compile workers)."""
+        if tokenizer_info is None:
+            tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+            )
+        self.tokenizer_info = tokenizer_info
+        self.vocab_size = vocab_size or tokenizer_info.vocab_size
         self._compiler = xgr.GrammarCompiler(
-            self.tokenizer_info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES
+            tokenizer_info,
+            max_threads=1,
+            cache_enabled=cache,
+            cache_limit_bytes=COMPILER_CACHE_BYTES,
         )
+
+    def load(self, blob_json: str) -> Any:
+        """A compiled handle from `serialize_json()` text; raises if made for another tokenizer
+        or serialization version."""
+        return xgr.CompiledGrammar.deserialize_json(blob_json, self.tokenizer_info)
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         try:
@@ -98,10 +124,7 @@ class XGrammarBackend:
             schema = schema_dict(spec.json_schema)
             warnings = loosened_keywords(schema)
             if warnings and spec.fidelity == "strict":
-                raise GrammarError(
-                    "structured.json_schema: keywords the grammar cannot enforce: "
-                    + "; ".join(warnings)
-                )
+                raise fidelity_error(warnings)
             handle = c.compile_json_schema(
                 json.dumps(schema), strict_mode=spec.strict, **_json_layout(spec)
             )

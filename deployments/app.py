@@ -1,0 +1,44 @@
+"""The application builder: `deployments.app:build_app` (the import path in the Helm chart's
+`serveConfigV2`, and what `structserve serve` runs).
+
+Ingress → (LLMReplica, GrammarService); LLMReplica → GrammarService. Every deployment gets
+`max_ongoing_requests` and `max_queued_requests` from the config, and queue overflow answers 429
+with `Retry-After` instead of Ray's default 503.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import BackpressureConfig
+
+from deployments.config import Backpressure, ServiceConfig
+from deployments.grammar_service import GrammarService
+from deployments.ingress import Ingress, app
+from deployments.replica import LLMReplica
+from services import settings
+
+
+def _options(b: Backpressure, **actor: Any) -> dict[str, Any]:
+    return {
+        "num_replicas": b.num_replicas,
+        "max_ongoing_requests": b.max_ongoing_requests,
+        "max_queued_requests": b.max_queued_requests,
+        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=1),
+        "ray_actor_options": {"num_cpus": b.num_cpus, **actor},
+        "graceful_shutdown_timeout_s": 30,
+    }
+
+
+def build_app(args: dict[str, Any] | ServiceConfig) -> Application:
+    cfg = args if isinstance(args, ServiceConfig) else ServiceConfig.model_validate(args or {})
+    plain = cfg.model_dump(mode="json")
+    grammar = serve.deployment(name="GrammarService", **_options(cfg.grammar))(GrammarService)
+    llm = serve.deployment(name="LLMReplica", **_options(cfg.llm, num_gpus=cfg.llm.num_gpus))(
+        LLMReplica
+    )
+    ingress = serve.deployment(name="Ingress", **_options(cfg.ingress))(serve.ingress(app)(Ingress))
+    grammar_app = grammar.bind(plain)
+    return ingress.bind(plain, llm.bind(plain, grammar_app), grammar_app, settings.api_key())

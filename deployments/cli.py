@@ -1,0 +1,100 @@
+"""`structserve serve`: starts Ray locally, deploys the application, prints the URL and a key.
+
+    structserve serve [--model DIR] [--port 8000] [--redis-url URL] [--api-key KEY] [--config F]
+
+Without `--redis-url` it uses `REDIS_URL` when set, else an in-process cache (registrations then
+live as long as the service). Without any configured key it makes one for the default tenant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from deployments.config import ServiceConfig
+
+
+def load_config(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        return dict(yaml.safe_load(text) or {})
+    return dict(json.loads(text))
+
+
+def build_config(args: argparse.Namespace) -> ServiceConfig:
+    raw = load_config(args.config)
+    if args.model:
+        raw["model"] = args.model
+    raw["redis_url"] = args.redis_url or raw.get("redis_url") or os.environ.get("REDIS_URL")
+    ingress = dict(raw.get("ingress", {}))
+    ingress.update({"port": args.port or ingress.get("port", 8000), "host": args.host})
+    raw["ingress"] = ingress
+    return ServiceConfig.model_validate(raw)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    key = args.api_key or os.environ.get("STRUCTSERVE_API_KEY")
+    made_key = False
+    if not key and not cfg.tenants and not cfg.api_keys_file:
+        key, made_key = "sk-" + secrets.token_urlsafe(24), True
+    if key:
+        os.environ["STRUCTSERVE_API_KEY"] = key  # the builder reads the default tenant's key here
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback by default; see --host
+    ray.init(include_dashboard=False, log_to_driver=args.verbose, configure_logging=False)
+    serve.start(http_options={"host": cfg.ingress.host, "port": cfg.ingress.port})
+    print(f"structserve: deploying {cfg.served_model_name} (first start converts the model)...")
+    serve.run(build_app(cfg), name="structserve", route_prefix="/", blocking=False)
+    url = f"http://{cfg.ingress.host}:{cfg.ingress.port}"
+    print(f"structserve: ready at {url}/v1 (OpenAI API)")
+    if made_key:
+        print(f"structserve: API key for the default tenant: {key}")
+    print(
+        f"  curl {url}/v1/chat/completions -H 'Authorization: Bearer $KEY' "
+        "-H 'Content-Type: application/json' "
+        """-d '{"model": "any", "messages": [{"role": "user", "content": "Hi"}]}'"""
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("structserve: shutting down (requests in flight finish first)...")
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="structserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the service on this machine")
+    s.add_argument("--model", help="a local Hugging Face model folder (default: SmolLM2-135M)")
+    s.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--redis-url", help="Redis for the grammar cache and registrations")
+    s.add_argument("--api-key", help="the default tenant's API key")
+    s.add_argument("--config", help="a ServiceConfig as JSON or YAML")
+    s.add_argument("--verbose", action="store_true", help="show Ray's logs")
+    args = p.parse_args(argv)
+    return serve_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

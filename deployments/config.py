@@ -1,0 +1,78 @@
+"""The service's one configuration: every deployment option, validated at start-up.
+
+The Helm chart's values mirror these fields (`serveConfigV2.applications[0].args`), the CLI builds
+one from its flags, and `deployments.app:build_app` takes its dict form. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from grammar_registry.limits import GrammarLimits
+from grammar_registry.tenants import RegistrationCaps
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Backpressure(_Strict):
+    """Ray Serve's admission: requests beyond these are answered 429 with `Retry-After`."""
+
+    num_replicas: int = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    max_queued_requests: int = Field(default=128, ge=0)
+    num_cpus: float = Field(default=0.0, ge=0)
+
+
+class IngressConfig(Backpressure):
+    port: int = Field(default=8000, ge=1, le=65535)
+    host: str = "127.0.0.1"
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+
+
+class LLMConfig(Backpressure):
+    num_gpus: float = Field(default=0.0, ge=0)
+    # EngineConfig fields (services.engine.config), e.g. {"kv_cache_memory": 268435456}
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+
+class GrammarServiceConfig(Backpressure):
+    workers: int = Field(default=2, ge=1)
+    deadline_s: float = Field(default=10.0, gt=0)
+    mask_budget_ms: float = Field(default=20.0, gt=0)
+    limits: GrammarLimits = GrammarLimits()
+    caps: RegistrationCaps = RegistrationCaps()
+
+
+class TenantLimits(_Strict):
+    requests_per_minute: int = Field(default=600, ge=1)
+    max_concurrent: int = Field(default=32, ge=1)
+    max_tokens: int = Field(default=4096, ge=1)
+
+
+class TenantConfig(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    # sha256 hex digests of the API keys (never the keys themselves)
+    api_key_sha256: list[str] = Field(default_factory=list)
+    limits: TenantLimits = TenantLimits()
+
+
+class TelemetryConfig(_Strict):
+    otlp_endpoint: str | None = None
+    sampling_ratio: float = Field(default=1.0, ge=0, le=1)
+    log_prompts: bool = False
+
+
+class ServiceConfig(_Strict):
+    model: str | None = None  # a local HF folder; None: the default SmolLM2 package
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    redis_url: str | None = None  # None: an in-process cache, registrations not shared
+    api_keys_file: str | None = None  # JSON {tenant: [sha256, ...]} (a mounted Secret)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    ingress: IngressConfig = IngressConfig()
+    llm: LLMConfig = LLMConfig()
+    grammar: GrammarServiceConfig = GrammarServiceConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()

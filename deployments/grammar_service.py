@@ -1,0 +1,155 @@
+"""`GrammarService`: hosts the compile service (worker processes, limits, verdict cache, tenant
+registrations). Replicas ask it for verdicts; the ingress for registrations.
+
+Methods return plain values or `{"error": ..., "status": ...}` dicts rather than raising, so a
+refusal crosses the deployment handle with its status intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from deployments.config import ServiceConfig
+from grammar_registry.cache import Verdict
+from grammar_registry.specs import GrammarSpec
+from grammar_registry.tenants import RegistrationError
+from services.compiler import CompilerConfig, CompileService
+from services.compiler.specs import to_spec
+from services.engine.grammar.backend import GrammarError
+from services.engine.params import StructuredOutput
+
+
+def redis_client(url: str | None) -> Any | None:
+    """A client for `url` (else `REDIS_URL`), with short timeouts: a dead Redis must cost little."""
+    url = url or os.environ.get("REDIS_URL")
+    if not url:
+        return None
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+
+def grammar_backend(config: ServiceConfig) -> Any:
+    """The served model's grammar backend, built exactly as the engine builds it, from the
+    tokenizer and configs only (no weights)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from services.engine.engine import eos_token_ids
+    from services.engine.grammar.xgrammar_backend import XGrammarBackend
+    from services.models.loader import resolve_model_dir
+
+    _, folder = resolve_model_dir(config.model)
+    tok = AutoTokenizer.from_pretrained(folder)
+    hf = AutoConfig.from_pretrained(folder)
+    try:
+        gen = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        gen = None
+    stop = sorted(eos_token_ids(gen, hf, tok))
+    return XGrammarBackend(tok, int(hf.vocab_size), stop)
+
+
+class GrammarService:
+    def __init__(self, config: dict[str, Any]) -> None:
+        cfg = ServiceConfig.model_validate(config)
+        g = cfg.grammar
+        compiler = CompilerConfig(
+            workers=g.workers,
+            deadline_s=g.deadline_s,
+            mask_budget_ms=g.mask_budget_ms,
+            limits=g.limits,
+            caps=g.caps,
+        )
+        backend = grammar_backend(cfg)
+        self.service = CompileService(
+            backend.tokenizer_info, compiler, redis=redis_client(cfg.redis_url)
+        )
+        self.service.pool  # noqa: B018 (start the workers now, not on the first request)
+
+    async def verdict(self, spec_json: str, tenant: str, scope: str, fresh: bool) -> Verdict:
+        spec = GrammarSpec.model_validate_json(spec_json)
+        return await asyncio.to_thread(self.service.verdict, spec, tenant, scope, fresh)
+
+    async def resolve(self, tenant: str, grammar_id: str) -> dict[str, Any]:
+        try:
+            spec = await asyncio.to_thread(self.service.resolve, tenant, grammar_id)
+        except GrammarError as exc:
+            return {"error": str(exc), "status": exc.status, "reason": exc.reason}
+        return {"spec": spec.model_dump_json()}
+
+    async def register(
+        self, tenant: str, name: str, structured: StructuredOutput
+    ) -> dict[str, Any]:
+        try:
+            spec = to_spec(structured)
+            reg = await asyncio.to_thread(
+                self.service.register, tenant, name, spec, structured.fidelity
+            )
+        except GrammarError as exc:
+            return {"error": str(exc), "status": exc.status, "reason": exc.reason}
+        return reg.model_dump(mode="json")
+
+    async def registrations(self, tenant: str, grammar_id: str | None = None) -> Any:
+        store = self.service.registrations
+        try:
+            if grammar_id is None:
+                regs = await asyncio.to_thread(store.list, tenant)
+                return [r.model_dump(mode="json") for r in regs]
+            reg = await asyncio.to_thread(store.get, tenant, grammar_id)
+            return reg.model_dump(mode="json")
+        except RegistrationError as exc:
+            return {"error": str(exc), "status": exc.status}
+
+    async def delete(self, tenant: str, grammar_id: str) -> dict[str, Any]:
+        try:
+            await asyncio.to_thread(self.service.registrations.delete, tenant, grammar_id)
+        except RegistrationError as exc:
+            return {"error": str(exc), "status": exc.status}
+        return {"id": grammar_id, "deleted": True}
+
+    async def health(self) -> dict[str, Any]:
+        client = self.service.verdicts.client
+        redis_ok: bool | None = None
+        if client is not None:
+            try:
+                redis_ok = bool(await asyncio.to_thread(client.ping))
+            except Exception:
+                redis_ok = False
+        return {"workers": self.service.pool.size, "redis": redis_ok}
+
+    def __del__(self) -> None:
+        self.service.close()
+
+
+class RemoteVerdicts:
+    """The replica's view of `GrammarService`: a `VerdictSource` over a deployment handle.
+
+    Called from the provider's resolver threads, never from the replica's event loop.
+    """
+
+    def __init__(self, handle: Any, tokenizer_info: Any) -> None:
+        from services.compiler.service import GrammarKeys
+
+        self.handle = handle
+        self.keys = GrammarKeys(tokenizer_info)
+
+    def key(self, spec: GrammarSpec, scope: str = "shared") -> str:
+        return self.keys.key(spec, scope)
+
+    def verdict(
+        self, spec: GrammarSpec, tenant: str = "default", scope: str = "shared", fresh: bool = False
+    ) -> Verdict:
+        call = self.handle.verdict.remote(spec.model_dump_json(), tenant, scope, fresh)
+        result: Verdict = call.result()
+        return result
+
+    def resolve(self, tenant: str, grammar_id: str) -> GrammarSpec:
+        out = self.handle.resolve.remote(tenant, grammar_id).result()
+        if "error" in out:
+            raise GrammarError(out["error"], reason=out["reason"], status=out["status"])
+        return GrammarSpec.model_validate_json(out["spec"])
+
+    def close(self) -> None:
+        pass

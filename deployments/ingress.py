@@ -1,0 +1,457 @@
+"""The HTTP ingress: the OpenAI API, grammar registration, health and metrics.
+
+Each request: authenticate (API key → tenant), admit (tenant rate and concurrency), validate the
+body, then stream from an `LLMReplica` through its handle. Errors use the OpenAI error shape; no
+input a client can send produces a 500 or a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deployments.config import ServiceConfig
+from deployments.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StructuredOutputs,
+    error_body,
+    new_id,
+    now,
+    sampling_from,
+    structured_from,
+)
+from deployments.tenants import AuthError, LimitError, Tenants
+
+log = logging.getLogger(__name__)
+
+app = FastAPI(title="structserve", docs_url=None, redoc_url=None)
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.retry_after = status, param, retry_after
+
+
+_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    headers = {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(err.retry_after)))
+    body = error_body(str(err), _KINDS.get(err.status, "server_error"), err.param)
+    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
+    return _error_response(err)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+    first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid body"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return _error_response(ApiError(400, message, param))
+
+
+class GrammarRegistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    structured_outputs: StructuredOutputs | None = None
+    response_format: dict[str, Any] | None = None
+    fidelity: str = Field(default="warn", pattern="^(warn|strict)$")
+
+
+class Ingress:
+    """Route handlers; Ray Serve binds it with the replica and grammar-service handles."""
+
+    def __init__(
+        self, config: dict[str, Any], llm: Any, grammar: Any, default_key: str | None = None
+    ) -> None:
+        from deployments.grammar_service import redis_client
+
+        self.config = ServiceConfig.model_validate(config)
+        self.llm = llm
+        self.grammar = grammar
+        self.tenants = Tenants(self.config, default_key, redis_client(self.config.redis_url))
+        self.counts: Counter[tuple[str, str, int]] = Counter()  # (route, tenant, status)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    async def _tenant(self, request: Request) -> str:
+        try:
+            return self.tenants.authenticate(request.headers.get("authorization"))
+        except AuthError as exc:
+            raise ApiError(401, str(exc)) from exc
+
+    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
+        limit = self.config.ingress.max_body_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise ApiError(413, f"body: larger than {limit} bytes")
+        raw = await request.body()
+        if len(raw) > limit:
+            raise ApiError(413, f"body: larger than {limit} bytes")
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(x) for x in first["loc"]) or None
+            msg = first["msg"].removeprefix("Value error, ")
+            raise ApiError(400, f"{param}: {msg}" if param else msg, param) from exc
+
+    def _admit(self, tenant: str) -> None:
+        try:
+            self.tenants.admit(tenant)
+        except LimitError as exc:
+            self.counts[("429", exc.reason, 429)] += 1
+            raise ApiError(429, str(exc), retry_after=exc.retry_after) from exc
+
+    def _params(self, tenant: str, body: Any) -> Any:
+        lim = self.tenants.limits_of(tenant)
+        try:
+            return sampling_from(body, lim.max_tokens, min(lim.max_tokens, 256))
+        except BadRequest as exc:
+            raise ApiError(400, str(exc), exc.param) from exc
+
+    def _stream(self, tenant: str, body: Any, params: Any, index: int, rid: str) -> Any:
+        from dataclasses import replace
+
+        if params.seed is not None and index:
+            params = replace(params, seed=params.seed + index)
+        messages = None
+        prompt = None
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        else:
+            p = body.prompt
+            prompt = p[0] if isinstance(p, list) and isinstance(p[0], str) else p
+        return self.llm.options(stream=True).generate.remote(
+            prompt, messages, params, tenant, f"{rid}-{index}"
+        )
+
+    async def _first(self, stream: Any) -> dict[str, Any]:
+        """The first delta; a request refused by the engine becomes an HTTP error here."""
+        from ray.serve.exceptions import BackPressureError
+
+        try:
+            first: dict[str, Any] = await stream.__anext__()
+        except BackPressureError as exc:
+            raise ApiError(429, "the model replicas are busy; try again", retry_after=1) from exc
+        except StopAsyncIteration as exc:
+            raise ApiError(503, "the replica ended the stream early") from exc
+        except Exception as exc:  # the replica died before answering
+            log.warning("replica failed: %s", exc)
+            raise ApiError(503, "the model replica is unavailable; try again") from exc
+        if first["finish_reason"] == "error" and not first["completion_tokens"]:
+            message = first["warnings"][-1] if first["warnings"] else "request refused"
+            status = first["error_status"] or 400
+            raise ApiError(status, message, message.split(":")[0])
+        return first
+
+    # -- completions ---------------------------------------------------------------------
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        tenant = await self._tenant(request)
+        body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
+        params = self._params(tenant, body)
+        self._admit(tenant)
+        route = "chat" if chat else "completions"
+        try:
+            rid = new_id("chatcmpl" if chat else "cmpl")
+            streams = [self._stream(tenant, body, params, i, rid) for i in range(body.n)]
+            firsts = await asyncio.gather(*(self._first(s) for s in streams))
+        except ApiError as err:
+            self.tenants.release(tenant)
+            self.counts[(route, tenant, err.status)] += 1
+            raise
+        self.counts[(route, tenant, 200)] += 1
+        if body.stream:
+            events = self._sse(tenant, body, rid, chat, streams, firsts)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            return JSONResponse(await self._collect(body, rid, chat, streams, firsts))
+        finally:
+            self.tenants.release(tenant)
+
+    async def _collect(self, body: Any, rid: str, chat: bool, streams: list, firsts: list) -> dict:
+        async def drain(stream: Any, first: dict[str, Any]) -> dict[str, Any]:
+            text, last = first["delta_text"], first
+            while not last["finished"]:
+                last = await stream.__anext__()
+                text += last["delta_text"]
+            return {**last, "text": text}
+
+        try:
+            pairs = zip(streams, firsts, strict=True)
+            results = await asyncio.gather(*(drain(s, f) for s, f in pairs))
+        except Exception as exc:
+            raise ApiError(503, "the model replica failed mid-request; try again") from exc
+        choices = []
+        for i, r in enumerate(results):
+            reason = r["finish_reason"] if r["finish_reason"] != "error" else "stop"
+            if chat:
+                message = {"role": "assistant", "content": r["text"]}
+                choices.append({"index": i, "message": message, "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": r["text"], "finish_reason": reason})
+        prompt = results[0]["prompt_tokens"]
+        completion = sum(r["completion_tokens"] for r in results)
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": body.model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            },
+            "structserve": {
+                "validated": [r["validated"] for r in results],
+                "warnings": [r["warnings"] for r in results],
+            },
+        }
+
+    async def _sse(
+        self, tenant: str, body: Any, rid: str, chat: bool, streams: list, firsts: list
+    ) -> AsyncIterator[str]:
+        created = now()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(index: int, delta: dict[str, Any]) -> str:
+            text, reason = delta["delta_text"], delta["finish_reason"]
+            reason = "stop" if reason == "error" else reason
+            if chat:
+                choice = {"index": index, "delta": {"content": text}, "finish_reason": reason}
+            else:
+                choice = {"index": index, "text": text, "finish_reason": reason}
+            obj = {"id": rid, "object": kind, "created": created, "model": body.model}
+            return "data: " + json.dumps({**obj, "choices": [choice]}) + "\n\n"
+
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: Any, first: dict[str, Any]) -> None:
+            try:
+                await queue.put((index, first))
+                last = first
+                while not last["finished"]:
+                    last = await stream.__anext__()
+                    await queue.put((index, last))
+            except Exception as exc:  # replica died mid-stream: the client gets an error event
+                await queue.put((index, exc))
+            await queue.put((index, None))
+
+        tasks = [
+            asyncio.create_task(pump(i, s, f))
+            for i, (s, f) in enumerate(zip(streams, firsts, strict=True))
+        ]
+        usage = {"prompt_tokens": firsts[0]["prompt_tokens"], "completion_tokens": 0}
+        try:
+            if chat:
+                for i in range(len(streams)):
+                    role = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                    obj = {"id": rid, "object": kind, "created": created, "model": body.model}
+                    yield "data: " + json.dumps({**obj, "choices": [role]}) + "\n\n"
+            open_streams = len(streams)
+            while open_streams:
+                index, item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                elif isinstance(item, BaseException):
+                    err = error_body("the model replica failed mid-stream", "server_error")
+                    yield "data: " + json.dumps(err) + "\n\n"
+                else:
+                    if item["finished"]:
+                        usage["completion_tokens"] += item["completion_tokens"]
+                    yield chunk(index, item)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                total = usage["prompt_tokens"] + usage["completion_tokens"]
+                obj = {"id": rid, "object": kind, "created": created, "model": body.model}
+                yield (
+                    "data: "
+                    + json.dumps({**obj, "choices": [], "usage": {**usage, "total_tokens": total}})
+                    + "\n\n"
+                )
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.tenants.release(tenant)
+
+    # -- grammars ------------------------------------------------------------------------
+
+    async def register_grammar(self, request: Request) -> JSONResponse:
+        tenant = await self._tenant(request)
+        body = await self._body(request, GrammarRegistration)
+        probe = ChatCompletionRequest.model_construct(
+            structured_outputs=body.structured_outputs,
+            response_format=None,
+            grammar_id=None,
+        )
+        if body.response_format is not None:
+            try:
+                from deployments.protocol import ResponseFormat
+
+                probe.response_format = ResponseFormat.model_validate(body.response_format)
+            except ValidationError as exc:
+                raise ApiError(400, f"response_format: {exc.errors()[0]['msg']}") from exc
+        try:
+            structured = structured_from(probe)
+        except BadRequest as exc:
+            raise ApiError(400, str(exc), exc.param) from exc
+        if structured is None or structured.grammar_id is not None:
+            raise ApiError(400, "give the grammar in structured_outputs or response_format")
+        from dataclasses import replace
+
+        structured = replace(structured, fidelity=body.fidelity)
+        start = time.perf_counter()
+        out = await self.grammar.register.remote(tenant, body.name, structured)
+        _raise_for(out)
+        return JSONResponse(
+            {
+                "id": out["grammar_id"],
+                "object": "grammar",
+                "name": out["name"],
+                "status": "ready",
+                "compile_seconds": out["compile_s"],
+                "registration_seconds": time.perf_counter() - start,
+                "fidelity": {"loosened": out["warnings"]},
+            },
+            status_code=201,
+        )
+
+    async def list_grammars(self, request: Request) -> JSONResponse:
+        tenant = await self._tenant(request)
+        out = await self.grammar.registrations.remote(tenant)
+        _raise_for(out)
+        return JSONResponse({"object": "list", "data": [_grammar_view(r) for r in out]})
+
+    async def get_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
+        tenant = await self._tenant(request)
+        out = await self.grammar.registrations.remote(tenant, grammar_id)
+        _raise_for(out)
+        return JSONResponse(_grammar_view(out, spec=True))
+
+    async def delete_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
+        tenant = await self._tenant(request)
+        out = await self.grammar.delete.remote(tenant, grammar_id)
+        _raise_for(out)
+        return JSONResponse({"id": grammar_id, "object": "grammar", "deleted": True})
+
+    # -- the rest ------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> JSONResponse:
+        await self._tenant(request)
+        name = self.config.served_model_name
+        model = {"id": name, "object": "model", "created": 0, "owned_by": "structserve"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def healthz(self) -> JSONResponse:
+        try:
+            grammar = await asyncio.wait_for(self.grammar.health.remote(), timeout=5)
+            await asyncio.wait_for(self.llm.check_health.remote(), timeout=5)
+        except Exception as exc:
+            return JSONResponse({"status": "unhealthy", "error": str(exc)[:200]}, status_code=503)
+        status = "ok" if grammar["redis"] is not False else "degraded"
+        return JSONResponse({"status": status, "redis": grammar["redis"]})
+
+    async def metrics(self) -> PlainTextResponse:
+        lines = [
+            "# HELP structserve_requests_total HTTP requests by route, tenant and status.",
+            "# TYPE structserve_requests_total counter",
+        ]
+        for (route, tenant, status), n in sorted(self.counts.items()):
+            labels = f'route="{route}",tenant="{tenant}",status="{status}"'
+            lines.append(f"structserve_requests_total{{{labels}}} {n}")
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    # -- routes (Ray Serve's `serve.ingress(app)` binds them to this class) ----------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, chat=False)
+
+    @app.get("/v1/models")
+    async def list_models(self, request: Request) -> JSONResponse:
+        return await self.models(request)
+
+    @app.post("/v1/grammars")
+    async def post_grammar(self, request: Request) -> JSONResponse:
+        return await self.register_grammar(request)
+
+    @app.get("/v1/grammars")
+    async def get_grammars(self, request: Request) -> JSONResponse:
+        return await self.list_grammars(request)
+
+    @app.get("/v1/grammars/{grammar_id}")
+    async def get_one_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
+        return await self.get_grammar(request, grammar_id)
+
+    @app.delete("/v1/grammars/{grammar_id}")
+    async def delete_one_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
+        return await self.delete_grammar(request, grammar_id)
+
+    @app.get("/healthz")
+    async def health(self) -> JSONResponse:
+        return await self.healthz()
+
+    @app.get("/metrics")
+    async def prometheus(self) -> PlainTextResponse:
+        return await self.metrics()
+
+
+def _raise_for(out: Any) -> None:
+    if isinstance(out, dict) and "error" in out:
+        raise ApiError(int(out["status"]), out["error"])
+
+
+def _grammar_view(reg: dict[str, Any], spec: bool = False) -> dict[str, Any]:
+    view = {
+        "id": reg["grammar_id"],
+        "object": "grammar",
+        "name": reg["name"],
+        "kind": reg["spec"]["kind"],
+        "created": int(reg["created"]),
+        "bytes": reg["bytes"],
+        "compile_seconds": reg["compile_s"],
+        "fidelity": {"loosened": reg["warnings"]},
+    }
+    if spec:
+        view["spec"] = reg["spec"]
+    return view

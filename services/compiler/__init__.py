@@ -1,0 +1,13 @@
+"""The grammar compile service: killable worker processes, limits, probe, verdict cache, tenants."""
+
+from services.compiler.pool import WorkerPool
+from services.compiler.provider import ServiceGrammarProvider, build_provider
+from services.compiler.service import CompilerConfig, CompileService
+
+__all__ = [
+    "CompileService",
+    "CompilerConfig",
+    "ServiceGrammarProvider",
+    "WorkerPool",
+    "build_provider",
+]

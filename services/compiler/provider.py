@@ -1,0 +1,187 @@
+"""`ServiceGrammarProvider`: the engine's `GrammarProvider` on top of the compile service.
+
+Per grammar: the in-process LRU (compiled handles, bounded in bytes) → the service's verdict (Redis,
+then a worker compile) → the handle, loaded from the verdict's blob or, where the service found
+loading slower than compiling, compiled here. A grammar is only ever compiled in this process after
+a worker has shown it compiles within the deadline and masks within budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from grammar_registry.cache import LRUBytes, Verdict
+from grammar_registry.specs import GrammarSpec
+from services.compiler.service import CompilerConfig, CompileService, raise_for
+from services.compiler.specs import to_spec, to_structured
+from services.engine.grammar.backend import CompiledGrammar, GrammarError
+from services.engine.grammar.fidelity import loosened_keywords
+from services.engine.grammar.xgrammar_backend import XGrammarBackend, fidelity_error
+from services.engine.params import StructuredOutput
+
+log = logging.getLogger(__name__)
+
+
+class VerdictSource(Protocol):
+    """The compile service, in-process or behind a deployment handle."""
+
+    def verdict(
+        self, spec: GrammarSpec, tenant: str = ..., scope: str = ..., fresh: bool = ...
+    ) -> Verdict: ...
+
+    def resolve(self, tenant: str, grammar_id: str) -> GrammarSpec: ...
+
+    def key(self, spec: GrammarSpec, scope: str = ...) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class ServiceGrammarProvider:
+    def __init__(
+        self,
+        backend: XGrammarBackend,
+        service: VerdictSource,
+        l1_bytes: int = 512 << 20,
+        threads: int = 8,
+        owns_service: bool = False,
+        busy_wait_s: float = 120.0,
+    ) -> None:
+        self.backend = backend
+        self.service = service
+        self._owns_service = owns_service
+        self.busy_wait_s = busy_wait_s
+        self.l1 = LRUBytes(l1_bytes)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-resolve")
+        self._lock = threading.Lock()
+        self._loading: dict[str, Future[CompiledGrammar]] = {}
+        self.stats = {"l1": 0, "blob": 0, "local": 0}
+
+    def submit(self, spec: StructuredOutput, tenant: str = "default") -> Future[CompiledGrammar]:
+        """Resolves on a thread; an L1 hit is answered at once."""
+        try:
+            gspec, scope = self._spec(spec, tenant)
+            key = self.service.key(gspec, scope)
+            hit = self.l1.get(key)
+            if hit is not None:
+                self.stats["l1"] += 1
+                return _done(self._judge(hit, spec))
+        except GrammarError as exc:
+            return _failed(exc)
+        with self._lock:
+            fut = self._loading.get(key)
+            if fut is None:
+                fut = self._loading[key] = self._pool.submit(self._load, gspec, tenant, scope, key)
+        out: Future[CompiledGrammar] = Future()
+
+        def finish(done: Future[CompiledGrammar]) -> None:
+            with self._lock:
+                self._loading.pop(key, None)
+            try:
+                out.set_result(self._judge(done.result(), spec))
+            except BaseException as exc:
+                out.set_exception(exc)
+
+        fut.add_done_callback(finish)
+        return out
+
+    def _spec(self, so: StructuredOutput, tenant: str) -> tuple[GrammarSpec, str]:
+        if so.grammar_id is not None:
+            return self.service.resolve(tenant, so.grammar_id), tenant
+        gspec = to_spec(so)
+        if so.fidelity == "strict" and gspec.kind == "json_schema":
+            warnings = loosened_keywords(gspec.source)
+            if warnings:  # refused before any compile
+                raise fidelity_error(warnings)
+        return gspec, "shared"
+
+    @staticmethod
+    def _judge(compiled: CompiledGrammar, so: StructuredOutput) -> CompiledGrammar:
+        if compiled.warnings and so.fidelity == "strict":
+            raise fidelity_error(compiled.warnings)
+        return compiled
+
+    def _load(self, spec: GrammarSpec, tenant: str, scope: str, key: str) -> CompiledGrammar:
+        verdict = self._verdict_when_free(spec, tenant, scope)
+        raise_for(verdict, spec.kind)
+        handle = self._from_blob(verdict, key)
+        if handle is None and verdict.blob is not None:
+            # Unreadable (another tokenizer or serialization version, corrupt): replace it.
+            verdict = self.service.verdict(spec, tenant, scope, fresh=True)
+            raise_for(verdict, spec.kind)
+            handle = self._from_blob(verdict, key)
+        if handle is None:
+            self.stats["local"] += 1
+            handle = self.backend.compile(to_structured(spec)).handle
+        schema = _schema_of(spec)
+        compiled = CompiledGrammar(handle, list(verdict.warnings), schema)
+        self.l1.put(key, compiled, int(handle.memory_size_bytes))
+        return compiled
+
+    def _verdict_when_free(self, spec: GrammarSpec, tenant: str, scope: str) -> Verdict:
+        """A `busy` verdict means "not yet" to an engine: its request keeps waiting in the queue
+        (as for any compile) and asks again, for up to `busy_wait_s`."""
+        end = time.monotonic() + self.busy_wait_s
+        pause = 0.05
+        while True:
+            verdict = self.service.verdict(spec, tenant, scope)
+            if verdict.reason != "busy" or time.monotonic() + pause > end:
+                return verdict
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+    def _from_blob(self, verdict: Verdict, key: str) -> Any | None:
+        if verdict.blob is None:
+            return None
+        try:
+            handle = self.backend.load(verdict.blob_json())
+        except Exception as exc:  # xgrammar raises on a version or tokenizer mismatch
+            log.warning("grammar cache: blob for %s does not load (%s)", key[-12:], exc)
+            return None
+        self.stats["blob"] += 1
+        return handle
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._owns_service:
+            self.service.close()
+
+
+def _schema_of(spec: GrammarSpec) -> dict[str, Any] | None:
+    if spec.kind == "json_schema":
+        return dict(spec.source)
+    if spec.kind == "json_object":
+        return {"type": "object"}
+    return None
+
+
+def _done(value: CompiledGrammar) -> Future[CompiledGrammar]:
+    fut: Future[CompiledGrammar] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _failed(exc: BaseException) -> Future[CompiledGrammar]:
+    fut: Future[CompiledGrammar] = Future()
+    fut.set_exception(exc)
+    return fut
+
+
+def build_provider(
+    backend: XGrammarBackend,
+    workers: int,
+    redis_url: str | None = None,
+    config: CompilerConfig | None = None,
+) -> ServiceGrammarProvider:
+    """An engine's provider with its own compile service (offline use and one-process serving)."""
+    client = None
+    if redis_url:
+        import redis
+
+        client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    cfg = (config or CompilerConfig()).model_copy(update={"workers": workers})
+    service = CompileService(backend.tokenizer_info, cfg, redis=client)
+    return ServiceGrammarProvider(backend, service, owns_service=True)

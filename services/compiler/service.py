@@ -1,0 +1,251 @@
+"""The compile service: every caller-supplied grammar passes static limits, then the Redis verdict
+cache, then one compile in a killable worker process with a mask-time probe.
+
+`CompileService.verdict()` is what the grammar deployment serves; `ServiceGrammarProvider`
+(provider.py) turns verdicts into compiled grammars inside an engine. Tenant registrations live here
+too, because registering a grammar is compiling it under the tenant's own cache scope.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from concurrent.futures import Future
+from importlib.metadata import version
+from typing import Any
+
+import xgrammar as xgr
+from pydantic import BaseModel, ConfigDict, Field
+
+from grammar_registry.cache import LRUBytes, RedisVerdicts, Verdict
+from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
+from grammar_registry.specs import GrammarSpec, grammar_key
+from grammar_registry.tenants import (
+    Registration,
+    RegistrationCaps,
+    RegistrationError,
+    RegistrationStore,
+)
+from services.compiler.pool import WorkerPool
+from services.engine.grammar.backend import GrammarError
+
+log = logging.getLogger(__name__)
+
+# How each refusal reaches a client: bad input is 400, input that is valid but too costly to serve
+# is 422, a full queue is 429 (try later).
+STATUS = {
+    "invalid": 400,
+    "limit": 400,
+    "fidelity": 400,
+    "timeout": 422,
+    "slow_mask": 422,
+    "memory": 422,
+    "crash": 422,
+    "busy": 429,
+}
+_NOT_CACHED = ("busy",)  # a verdict about the service's load, not the grammar
+
+
+class CompilerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workers: int = Field(default=2, ge=1)
+    deadline_s: float = Field(default=10.0, gt=0)
+    queue_wait_s: float = Field(default=30.0, ge=0)  # for a free worker, before "busy"
+    worker_memory_bytes: int = Field(default=4 << 30, ge=0)  # RLIMIT_AS per worker; 0: none
+    mask_budget_ms: float = Field(default=20.0, gt=0)  # probe median above this: refused
+    probe_steps: int = Field(default=8, ge=1)
+    max_inflight: int = Field(default=16, ge=1)
+    max_inflight_per_tenant: int = Field(default=4, ge=1)
+    # Store the blob only when loading it is clearly faster than compiling it again.
+    blob_gain: float = Field(default=0.8, gt=0)
+    redis_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
+    failure_ttl_s: int = Field(default=600, ge=1)
+    max_entry_bytes: int = Field(default=64 << 20, ge=1)
+    recent_verdict_bytes: int = Field(default=256 << 20, ge=0)
+    limits: GrammarLimits = GrammarLimits()
+    caps: RegistrationCaps = RegistrationCaps()
+
+
+class GrammarKeys:
+    """Cache keys for one tokenizer and this xgrammar build (replicas compute them locally)."""
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo) -> None:
+        self.fingerprint = hashlib.sha256(tokenizer_info.serialize_json().encode()).hexdigest()
+        self.backend_version = "xgrammar-" + version("xgrammar")
+        self.serialization = xgr.get_serialization_version()
+
+    def key(self, spec: GrammarSpec, scope: str = "shared") -> str:
+        return grammar_key(
+            spec,
+            backend_version=self.backend_version,
+            serialization=self.serialization,
+            tokenizer=self.fingerprint,
+            scope=scope,
+        )
+
+
+class CompileService:
+    def __init__(
+        self,
+        tokenizer_info: xgr.TokenizerInfo,
+        config: CompilerConfig | None = None,
+        redis: Any | None = None,
+        pool: WorkerPool | None = None,
+    ) -> None:
+        self.config = config = config or CompilerConfig()
+        self.tokenizer_info = tokenizer_info
+        self.keys = GrammarKeys(tokenizer_info)
+        # Recent verdicts in this process: serves without Redis, and saves a round trip with it.
+        self.recent = LRUBytes(config.recent_verdict_bytes)
+        self._pool = pool
+        self.verdicts = RedisVerdicts(
+            redis, config.redis_ttl_s, config.failure_ttl_s, config.max_entry_bytes
+        )
+        self.registrations = RegistrationStore(redis, config.caps)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Future[Verdict]] = {}
+        self._per_tenant: dict[str, int] = {}
+        self.compiles = 0  # jobs sent to the pool: what single flight saves
+
+    @property
+    def pool(self) -> WorkerPool:
+        # Started on the first compile: a replica that only reads verdicts never spawns workers.
+        with self._lock:
+            if self._pool is None:
+                cfg = self.config
+                info = self.tokenizer_info.serialize_json()
+                self._pool = WorkerPool(info, cfg.workers, cfg.worker_memory_bytes)
+            return self._pool
+
+    def key(self, spec: GrammarSpec, scope: str = "shared") -> str:
+        return self.keys.key(spec, scope)
+
+    # -- verdicts ---------------------------------------------------------------------------
+
+    def verdict(
+        self, spec: GrammarSpec, tenant: str = "default", scope: str = "shared", fresh: bool = False
+    ) -> Verdict:
+        """The grammar's verdict (refusals included); `fresh` skips the Redis entry (a blob that
+        would not load) and replaces it."""
+        try:
+            check_limits(spec, self.config.limits)
+        except LimitExceeded as exc:
+            return Verdict(ok=False, reason="limit", error=str(exc))
+        key = self.key(spec, scope)
+        if not fresh:
+            cached = self.recent.get(key) or self.verdicts.get(key)
+            if cached is not None:
+                self._remember(key, cached)
+                return cached
+        with self._lock:
+            running = self._inflight.get(key)
+            if running is None:
+                busy = self._over_capacity(tenant)
+                if busy:
+                    return Verdict(ok=False, reason="busy", error=busy)
+                running = self._inflight[key] = Future()
+                self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return running.result()
+        try:
+            verdict = self._compile(spec)
+            if verdict.reason not in _NOT_CACHED:
+                self.verdicts.put(key, verdict)
+                self._remember(key, verdict)
+            running.set_result(verdict)
+            return verdict
+        except BaseException as exc:
+            running.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                del self._inflight[key]
+                self._per_tenant[tenant] -= 1
+
+    def _remember(self, key: str, verdict: Verdict) -> None:
+        self.recent.put(key, verdict, len(verdict.blob or b"") + 1024)
+
+    def _over_capacity(self, tenant: str) -> str:
+        cfg = self.config
+        if len(self._inflight) >= cfg.max_inflight:
+            return f"{cfg.max_inflight} grammars are compiling; try later"
+        if self._per_tenant.get(tenant, 0) >= cfg.max_inflight_per_tenant:
+            return f"the tenant has {cfg.max_inflight_per_tenant} grammars compiling; try later"
+        return ""
+
+    def _compile(self, spec: GrammarSpec) -> Verdict:
+        cfg = self.config
+        self.compiles += 1
+        job = {
+            "spec": spec.model_dump_json(),
+            "mask_budget_ms": cfg.mask_budget_ms,
+            "probe_steps": cfg.probe_steps,
+            "seed": 0,
+        }
+        out = self.pool.run(job, cfg.deadline_s, cfg.queue_wait_s)
+        if not out["ok"]:
+            return Verdict(
+                ok=False,
+                reason=out["reason"],
+                error=out["error"],
+                compile_s=out.get("compile_s", 0.0),
+                mask_ms=out.get("mask_ms", 0.0),
+            )
+        blob: bytes = out["blob"]
+        keep = out["load_s"] < cfg.blob_gain * out["compile_s"]
+        return Verdict(
+            ok=True,
+            warnings=out["warnings"],
+            compile_s=out["compile_s"],
+            load_s=out["load_s"],
+            mask_ms=out["mask_ms"],
+            blob_bytes=len(blob),
+            blob=blob if keep else None,  # None: "compile locally" is faster
+        )
+
+    # -- registrations ----------------------------------------------------------------------
+
+    def register(
+        self, tenant: str, name: str, spec: GrammarSpec, fidelity: str = "warn"
+    ) -> Registration:
+        """Compiles under the tenant's own scope, then stores; refusals raise `GrammarError`."""
+        verdict = self.verdict(spec, tenant, scope=tenant)
+        raise_for(verdict, spec.kind)
+        if verdict.warnings and fidelity == "strict":
+            from services.engine.grammar.xgrammar_backend import fidelity_error
+
+            raise fidelity_error(verdict.warnings)
+        try:
+            return self.registrations.add(
+                tenant, name, spec, compile_s=verdict.compile_s, warnings=verdict.warnings
+            )
+        except RegistrationError as exc:
+            raise GrammarError(str(exc), reason="registration", status=exc.status) from exc
+
+    def resolve(self, tenant: str, grammar_id: str) -> GrammarSpec:
+        """The spec a tenant registered; another tenant's id is "not found", like a missing one."""
+        try:
+            return self.registrations.get(tenant, grammar_id).spec
+        except RegistrationError as exc:
+            reason = "not_found" if exc.status == 404 else "unavailable"
+            raise GrammarError(
+                f"structured.grammar_id: {exc}", reason=reason, status=exc.status
+            ) from exc
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+
+def raise_for(verdict: Verdict, kind: str) -> None:
+    if not verdict.ok:
+        raise GrammarError(
+            f"structured.{kind}: {verdict.error}",
+            reason=verdict.reason,
+            status=STATUS.get(verdict.reason, 400),
+        )

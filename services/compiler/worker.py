@@ -1,0 +1,131 @@
+"""A compile worker process: compiles one grammar at a time, probes its masks, returns a verdict.
+
+It receives the serialized tokenizer info once at start, caps its own address space, and answers
+jobs on a pipe until the pool closes it. The pool kills it when a compile runs past its deadline;
+nothing here needs to be interruptible.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import statistics
+import time
+import zlib
+from multiprocessing.connection import Connection
+from typing import Any
+
+# Probe defaults: a few steps of masks along a random path through the grammar.
+PROBE_STEPS = 8
+
+
+def worker_main(conn: Connection, tokenizer_json: str, memory_bytes: int) -> None:
+    if memory_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import xgrammar as xgr
+
+    from services.engine.grammar.xgrammar_backend import XGrammarBackend
+
+    backend = XGrammarBackend(
+        tokenizer_info=xgr.TokenizerInfo.deserialize_json(tokenizer_json), cache=False
+    )
+    backend_log = _capture_stderr()  # after start-up: its errors stay visible
+    conn.send({"ready": True, "pid": os.getpid()})
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            result = compile_job(backend, job)
+        except MemoryError:
+            result = {"ok": False, "reason": "memory", "error": "compile ran out of its memory cap"}
+        result["log"] = _read_new(backend_log)
+        conn.send(result)
+
+
+def _capture_stderr() -> Any:
+    """xgrammar's C++ side prints its loosening warnings straight to fd 2: keep them in a file
+    and hand each job's lines back, so the service logs them (once, at debug level) instead."""
+    import tempfile
+
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
+    os.dup2(log.fileno(), 2)
+    return log
+
+
+def _read_new(log: Any, max_lines: int = 20) -> list[str]:
+    log.seek(0)
+    lines = log.read().decode(errors="replace").splitlines()[-max_lines:]
+    log.seek(0)
+    log.truncate()
+    return lines
+
+
+def compile_job(backend: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """`job`: `spec` (GrammarSpec JSON), `mask_budget_ms`, `probe_steps`."""
+    from grammar_registry.specs import GrammarSpec
+    from services.compiler.specs import to_structured
+    from services.engine.grammar.backend import GrammarError
+
+    spec = GrammarSpec.model_validate_json(job["spec"])
+    start = time.perf_counter()
+    try:
+        compiled = backend.compile(to_structured(spec))
+    except GrammarError as exc:
+        return {"ok": False, "reason": "invalid", "error": str(exc)}
+    compile_s = time.perf_counter() - start
+    steps = job.get("probe_steps", PROBE_STEPS)
+    mask_ms = probe_masks(backend, compiled, steps, job["seed"], 4 * job["mask_budget_ms"])
+    if mask_ms > job["mask_budget_ms"]:
+        return {
+            "ok": False,
+            "reason": "slow_mask",
+            "error": f"masks take {mask_ms:.1f} ms (budget {job['mask_budget_ms']} ms)",
+            "compile_s": compile_s,
+            "mask_ms": mask_ms,
+        }
+    blob_json = compiled.handle.serialize_json()
+    blob = zlib.compress(blob_json.encode(), 1)
+    start = time.perf_counter()
+    backend.load(zlib.decompress(blob).decode())
+    load_s = time.perf_counter() - start
+    return {
+        "ok": True,
+        "warnings": compiled.warnings,
+        "compile_s": compile_s,
+        "load_s": load_s,
+        "mask_ms": mask_ms,
+        "blob": blob,
+    }
+
+
+def probe_masks(
+    backend: Any, compiled: Any, steps: int, seed: int, stop_above_ms: float = float("inf")
+) -> float:
+    """The median mask time (ms) over the first `steps` masks along a seeded random path; a
+    single mask slower than `stop_above_ms` ends the probe and is the answer."""
+    import torch
+
+    state = backend.new_state(compiled)
+    bitmask = backend.allocate_bitmask(1)
+    rng = random.Random(seed)
+    times = []
+    for _ in range(steps):
+        if state.is_terminated():
+            break
+        start = time.perf_counter()
+        state.fill_bitmask(bitmask, 0)
+        times.append((time.perf_counter() - start) * 1000)
+        if times[-1] > stop_above_ms:
+            return times[-1]
+        words = bitmask[0].to(torch.int64) & 0xFFFFFFFF
+        bits = ((words.unsqueeze(1) >> torch.arange(32)) & 1).flatten()[: backend.vocab_size]
+        allowed = bits.nonzero().flatten().tolist()
+        if not allowed or not state.accept_token(rng.choice(allowed)):
+            break
+    return statistics.median(times) if times else 0.0

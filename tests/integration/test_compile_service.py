@@ -1,0 +1,440 @@
+"""The compile service for real: worker processes, a real Redis, the real tokenizer and model.
+
+Redis comes from `REDIS_URL` (`make test` starts one when none answers); these tests use their own
+database number and flush it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import redis
+import xgrammar as xgr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from grammar_registry import GrammarSpec, RedisVerdicts, Verdict
+from services import LLM, SamplingParams, StructuredOutput
+from services.compiler import CompilerConfig, CompileService, ServiceGrammarProvider
+from services.engine.grammar import GrammarError
+from services.engine.grammar.xgrammar_backend import XGrammarBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+DB = 13
+MASKBENCH = ROOT.parent / "shared" / "data" / "maskbench"
+DEADLINE_S = 1.5
+
+
+def redis_url(db: int = DB) -> str:
+    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    return base.rsplit("/", 1)[0] + f"/{db}" if base.count("/") > 2 else f"{base}/{db}"
+
+
+@pytest.fixture(scope="module")
+def rclient():
+    client = redis.Redis.from_url(redis_url())
+    client.ping()  # `make test` guarantees a Redis; failing here means the setup step broke
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model):
+    return LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
+
+
+@pytest.fixture(scope="module")
+def backend(llm) -> XGrammarBackend:
+    be = llm.engine.grammars.backend
+    assert isinstance(be, XGrammarBackend)
+    return be
+
+
+@pytest.fixture(scope="module")
+def service(backend, rclient):
+    svc = CompileService(
+        backend.tokenizer_info, CompilerConfig(workers=2, deadline_s=DEADLINE_S), redis=rclient
+    )
+    assert svc.pool.wait_ready()
+    yield svc
+    svc.close()
+
+
+@pytest.fixture
+def provider(backend, service):
+    prov = ServiceGrammarProvider(backend, service)
+    yield prov
+    prov.shutdown()
+
+
+def person(tag: str) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, tag: {"type": "integer"}},
+        "required": ["name", tag],
+    }
+
+
+def test_verdicts_are_stored_in_redis_and_reused(service, rclient):
+    spec = GrammarSpec(kind="json_schema", source=person("age"))
+    before = service.compiles
+    first = service.verdict(spec)
+    assert first.ok and first.compile_s > 0 and first.blob_bytes > 0
+    assert rclient.exists(service.key(spec))
+    again = service.verdict(spec)
+    assert again.ok and service.compiles == before + 1
+    # a blob is stored only where loading beat compiling; otherwise the entry says compile locally
+    assert (again.blob is not None) == (first.load_s < service.config.blob_gain * first.compile_s)
+
+
+def test_cached_and_fresh_grammars_decode_the_same_tokens(llm, provider, service):
+    so = StructuredOutput(json_schema=person("year"))
+    prompt = "Give a person as JSON."
+    params = SamplingParams(max_tokens=40, temperature=0, structured=so)
+    plain = llm.generate(prompt, params)[0]  # compiled in-process, no service
+    served = LLM(
+        loaded=llm.engine.runner.loaded, kv_cache_memory=64 << 20, grammar_provider=provider
+    )
+    first = served.generate(prompt, params)[0]
+    cached = served.generate(prompt, params)[0]  # the L1 hit
+    assert plain.token_ids == first.token_ids == cached.token_ids
+    assert plain.validated and provider.stats["l1"] >= 1
+
+
+SECOND_PROCESS = """
+import json, sys
+from services import LLM, SamplingParams, StructuredOutput
+from services.models import load_model
+
+def main():
+    llm = LLM(loaded=load_model(), kv_cache_memory=64 << 20, grammar_workers=1,
+              grammar_redis_url=sys.argv[1])
+    params = SamplingParams(max_tokens=40, temperature=0,
+                            structured=StructuredOutput(json_schema=json.loads(sys.argv[2])))
+    out = llm.generate("Give a person as JSON.", params)[0]
+    provider = llm.engine.grammars.provider
+    print(json.dumps({"tokens": out.token_ids, "compiles": provider.service.compiles,
+                      "stats": provider.stats}))
+    llm.engine.grammars.shutdown()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _second_process(tmp_path: Path, schema: dict) -> dict:
+    script = tmp_path / "second.py"
+    script.write_text(SECOND_PROCESS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script), redis_url(), json.dumps(schema)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_gets_a_redis_hit_and_decodes_identically(llm, tmp_path, rclient):
+    schema = person("height")
+    params = SamplingParams(
+        max_tokens=40, temperature=0, structured=StructuredOutput(json_schema=schema)
+    )
+    reference = llm.generate("Give a person as JSON.", params)[0].token_ids
+    rclient.flushdb()
+    cold = _second_process(tmp_path, schema)
+    warm = _second_process(tmp_path, schema)
+    assert cold["compiles"] == 1
+    assert warm["compiles"] == 0  # the verdict came from Redis: no worker compile
+    assert cold["tokens"] == warm["tokens"] == reference
+
+
+def test_an_unloadable_blob_is_ignored_and_replaced(backend, service, provider, rclient):
+    other = xgr.TokenizerInfo([chr(i) for i in range(32, 127)])
+    spec = GrammarSpec(kind="regex", source="[a-z]{2,6}-[0-9]{3}")
+    foreign = xgr.GrammarCompiler(other).compile_regex(spec.source).serialize_json()
+    store = RedisVerdicts(rclient)
+    for blob in (zlib.compress(foreign.encode()), b"not zlib at all"):
+        key = service.key(spec)
+        store.put(key, Verdict(ok=True, blob=blob, blob_bytes=len(blob)))
+        provider.l1 = type(provider.l1)(provider.l1.max_bytes)  # a fresh replica's L1...
+        service.recent = type(service.recent)(service.recent.max_bytes)  # ... and service
+        compiled = provider.submit(StructuredOutput(regex=spec.source)).result(timeout=30)
+        state = backend.new_state(compiled)
+        assert all(state.accept_token(t) for t in backend_tokens(backend, "ab-123"))
+        replaced = store.get(key)
+        assert replaced is not None and replaced.ok and replaced.blob != blob
+        if replaced.blob is not None:
+            backend.load(replaced.blob_json())  # the replacement loads with this tokenizer
+
+
+def backend_tokens(backend: XGrammarBackend, text: str) -> list[int]:
+    vocab = backend.tokenizer_info.decoded_vocab
+    ids = {v: i for i, v in enumerate(vocab) if isinstance(v, bytes)}
+    return [ids[ch.encode()] for ch in text]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
+def test_killing_redis_changes_nothing_but_speed(backend, service, tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    own = CompileService(backend.tokenizer_info, service.config, redis=client, pool=service.pool)
+    prov = ServiceGrammarProvider(backend, own)
+    try:
+        a = StructuredOutput(regex="[0-9]{4}-[0-9]{2}")
+        prov.submit(a).result(timeout=30)
+        assert own.compiles == 1 and client.dbsize() == 1
+        proc.kill()
+        proc.wait()
+        prov.l1 = type(prov.l1)(prov.l1.max_bytes)
+        for so in (a, StructuredOutput(choice=["yes", "no"])):
+            compiled = prov.submit(so).result(timeout=30)
+            assert backend.new_state(compiled) is not None
+        # `a` comes from the service's recent verdicts, the choice compiles without Redis
+        assert own.compiles == 2 and own.verdicts.errors >= 1
+    finally:
+        prov.shutdown()
+        proc.kill()
+
+
+def _anyof_heavy(branches: int = 64, bound: int = 1000) -> dict:
+    pattern = "[a-z]{1," + str(bound) + "}"
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {f"k{i}": {"type": "string", "pattern": pattern}},
+                "required": [f"k{i}"],
+            }
+            for i in range(branches)
+        ]
+    }
+
+
+def _deep(n: int) -> dict:
+    node: dict = {"type": "string"}
+    for _ in range(n):
+        node = {"type": "object", "properties": {"x": node}}
+    return node
+
+
+PATHOLOGICAL = [
+    ("deep nesting", StructuredOutput(json_schema=_deep(200)), "limit"),
+    (
+        "huge maxLength",
+        StructuredOutput(json_schema={"type": "string", "maxLength": 10**9}),
+        "limit",
+    ),
+    ("nested repetition", StructuredOutput(regex="(.{0,50}){0,50}"), "limit"),
+    (
+        "giant enum",
+        StructuredOutput(json_schema={"enum": [f"v{i}" for i in range(20000)]}),
+        "limit",
+    ),
+    (
+        "100-tool structural tag",
+        StructuredOutput(
+            structural_tag={
+                "type": "structural_tag",
+                "structures": [
+                    {"begin": f"<tool_{i}>", "schema": {"type": "object"}, "end": "</tool>"}
+                    for i in range(100)
+                ],
+                "triggers": ["<tool_"],
+            }
+        ),
+        "limit",
+    ),
+    ("slow to compile", StructuredOutput(json_schema=_anyof_heavy()), "timeout"),
+    ("slow masks", StructuredOutput(grammar='root ::= ([a-z] [0-9]?){0,900} "x"'), "slow_mask"),
+]
+
+
+@pytest.mark.parametrize(("name", "so", "reason"), PATHOLOGICAL, ids=[p[0] for p in PATHOLOGICAL])
+def test_pathological_grammars_are_refused_in_time(name, so, reason, provider, service):
+    start = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        good = pool.submit(
+            lambda: provider.submit(StructuredOutput(regex=f"[a-z]+{len(name)}")).result(60)
+        )
+        fut = provider.submit(so)
+        with pytest.raises(GrammarError) as err:
+            fut.result(timeout=DEADLINE_S + 30)
+        elapsed = time.monotonic() - start
+        assert good.result() is not None  # a concurrent well-behaved grammar still compiles
+    assert err.value.reason == reason, str(err.value)
+    assert 400 <= err.value.status < 500
+    assert elapsed <= DEADLINE_S + 1.0, f"{name}: verdict after {elapsed:.1f} s"
+    assert service.pool.wait_ready(60)  # killed workers were replaced
+
+
+def test_twenty_concurrent_identical_registrations_compile_once(service):
+    spec = GrammarSpec(kind="json_schema", source=person("rank"))
+    before = service.compiles
+    barrier = threading.Barrier(20)
+
+    def register(i: int):
+        barrier.wait()
+        return service.register("tenant-sf", f"person-{i}", spec)
+
+    with ThreadPoolExecutor(20) as pool:
+        regs = list(pool.map(register, range(20)))
+    assert service.compiles == before + 1
+    assert len({r.grammar_id for r in regs}) == 20
+    assert len(service.registrations.list("tenant-sf")) == 20
+
+
+def test_tenants_cannot_see_each_others_grammars(service, provider):
+    spec = GrammarSpec(kind="regex", source="[A-Z]{3}-[0-9]{5}")
+    reg = service.register("tenant-a", "ticket", spec)
+    compiled = provider.submit(StructuredOutput(grammar_id=reg.grammar_id), "tenant-a").result(30)
+    assert compiled is not None
+    missing = "gr_" + "0" * 24
+    for gid in (reg.grammar_id, missing):
+        with pytest.raises(GrammarError) as err:
+            provider.submit(StructuredOutput(grammar_id=gid), "tenant-b").result(30)
+        assert err.value.status == 404
+        assert str(err.value) == f"structured.grammar_id: grammar_id: {gid!r} not found"
+        with pytest.raises(GrammarError, match="not found"):
+            service.resolve("tenant-b", gid)
+    assert service.registrations.list("tenant-b") == []
+    # The same spec registered by tenant B compiles again: no timing signal from A's entry.
+    before = service.compiles
+    service.register("tenant-b", "ticket", spec)
+    assert service.compiles == before + 1
+
+
+def test_engine_requests_use_registered_grammars_per_tenant(llm, provider, service):
+    reg = service.register("tenant-e", "yesno", GrammarSpec(kind="choice", source=["yes", "no"]))
+    served = LLM(
+        loaded=llm.engine.runner.loaded, kv_cache_memory=64 << 20, grammar_provider=provider
+    )
+    params = SamplingParams(
+        max_tokens=5, temperature=0, structured=StructuredOutput(grammar_id=reg.grammar_id)
+    )
+    engine = served.engine
+    mine = engine.add_request("Is the sky blue?", params, tenant="tenant-e")
+    theirs = engine.add_request("Is the sky blue?", params, tenant="tenant-f")
+    while engine.has_unfinished():
+        engine.step()
+    ok, refused = engine.make_output(mine), engine.make_output(theirs)
+    assert ok.text in ("yes", "no") and ok.finish_reason == "stop"
+    assert refused.finish_reason == "error" and "not found" in refused.warnings[-1]
+
+
+# -- property tests: whatever a tenant sends, a compiled grammar or a clear 4xx, never a hang ----
+
+_REGEX_ALPHABET = "ab.()[]{}*+?|^$\\-,09dws"
+_leaf = st.fixed_dictionaries(
+    {"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "bogus"])},
+    optional={
+        "minLength": st.integers(-3, 50),
+        "maxLength": st.integers(-3, 10**7),
+        "pattern": st.text(_REGEX_ALPHABET, max_size=12),
+        "enum": st.lists(st.one_of(st.text(max_size=5), st.integers()), max_size=4),
+        "minimum": st.integers(-100, 100),
+        "format": st.sampled_from(["email", "date-time", "uuid", "nonsense"]),
+    },
+)
+_schemas = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.just("object"), "properties": st.dictionaries(st.text(max_size=6), inner)},
+            optional={"required": st.lists(st.text(max_size=6), max_size=3)},
+        ),
+        st.fixed_dictionaries({"type": st.just("array"), "items": inner}),
+        st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=4)}),
+        st.fixed_dictionaries({"$ref": st.sampled_from(["#/$defs/x", "#", "#/nope"])}),
+    ),
+    max_leaves=12,
+)
+_EBNF = 'root ::= "{" item ("," item)* "}"\nitem ::= [a-z]+ ":" [0-9]{1,3}\n'
+_PROPERTY = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+def _answers_cleanly(provider: ServiceGrammarProvider, so: StructuredOutput) -> None:
+    start = time.monotonic()
+    try:
+        compiled = provider.submit(so).result(timeout=DEADLINE_S + 60)
+        assert compiled.handle is not None
+    except GrammarError as err:
+        assert 400 <= err.status < 500, err
+        assert str(err).startswith("structured."), err
+    assert time.monotonic() - start < DEADLINE_S + 60
+
+
+@_PROPERTY
+@given(schema=_schemas)
+def test_random_schemas_get_a_grammar_or_a_clear_error(provider, schema):
+    _answers_cleanly(provider, StructuredOutput(json_schema=schema))
+
+
+@_PROPERTY
+@given(pattern=st.text(_REGEX_ALPHABET, max_size=30))
+def test_random_regexes_get_a_grammar_or_a_clear_error(provider, pattern):
+    _answers_cleanly(provider, StructuredOutput(regex=pattern))
+
+
+@_PROPERTY
+@given(data=st.data())
+def test_mutated_ebnf_gets_a_grammar_or_a_clear_error(provider, data):
+    at = data.draw(st.integers(0, len(_EBNF)))
+    cut = data.draw(st.integers(0, 4))
+    insert = data.draw(st.text('()[]{}*+?|":=,az09 \n\\', max_size=4))
+    grammar = _EBNF[:at] + insert + _EBNF[at + cut :]
+    _answers_cleanly(provider, StructuredOutput(grammar=grammar, grammar_syntax="ebnf"))
+
+
+@_PROPERTY
+@given(data=st.data())
+def test_mutated_real_schemas_get_a_grammar_or_a_clear_error(provider, data):
+    files = sorted(MASKBENCH.glob("*.json"))
+    if not files:
+        pytest.skip("the maskbench data set is not next to the repository")
+    schema = json.loads(data.draw(st.sampled_from(files)).read_text())["schema"]
+    text = json.dumps(schema)
+    at = data.draw(st.integers(0, len(text)))
+    mutated = text[:at] + data.draw(st.sampled_from(['"', "{", "}", "[", "1", ":", ""])) + text[at:]
+    try:
+        candidate = json.loads(mutated)
+    except json.JSONDecodeError:
+        candidate = schema
+    if isinstance(candidate, dict):
+        _answers_cleanly(provider, StructuredOutput(json_schema=candidate))
