@@ -16,7 +16,7 @@ from ray.serve.config import BackpressureConfig
 
 from deployments.config import Backpressure, ServiceConfig
 from deployments.grammar_service import GrammarService
-from deployments.ingress import Ingress, app
+from deployments.ingress import Ingress
 from deployments.replica import LLMReplica
 from services import settings
 
@@ -39,6 +39,6 @@ def build_app(args: dict[str, Any] | ServiceConfig) -> Application:
     llm = serve.deployment(name="LLMReplica", **_options(cfg.llm, num_gpus=cfg.llm.num_gpus))(
         LLMReplica
     )
-    ingress = serve.deployment(name="Ingress", **_options(cfg.ingress))(serve.ingress(app)(Ingress))
+    ingress = serve.deployment(name="Ingress", **_options(cfg.ingress))(Ingress)
     grammar_app = grammar.bind(plain)
     return ingress.bind(plain, llm.bind(plain, grammar_app), grammar_app, settings.api_key())

@@ -5,7 +5,8 @@ body, then stream from an `LLMReplica` through its handle. Errors use the OpenAI
 input a client can send produces a 500 or a hang.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: FastAPI reads the route signatures at run time
+# (after Ray Serve rewrites them), and `request: Request` must be a class, not a string.
 
 import asyncio
 import json
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
 
 from deployments.config import ServiceConfig
 from deployments.protocol import (
@@ -93,6 +95,28 @@ class GrammarRegistration(BaseModel):
     fidelity: str = Field(default="warn", pattern="^(warn|strict)$")
 
 
+def _raise_for(out: Any) -> None:
+    if isinstance(out, dict) and "error" in out:
+        raise ApiError(int(out["status"]), out["error"])
+
+
+def _grammar_view(reg: dict[str, Any], spec: bool = False) -> dict[str, Any]:
+    view = {
+        "id": reg["grammar_id"],
+        "object": "grammar",
+        "name": reg["name"],
+        "kind": reg["spec"]["kind"],
+        "created": int(reg["created"]),
+        "bytes": reg["bytes"],
+        "compile_seconds": reg["compile_s"],
+        "fidelity": {"loosened": reg["warnings"]},
+    }
+    if spec:
+        view["spec"] = reg["spec"]
+    return view
+
+
+@serve.ingress(app)  # here, not in the builder: the routes must pickle with the class
 class Ingress:
     """Route handlers; Ray Serve binds it with the replica and grammar-service handles."""
 
@@ -434,24 +458,3 @@ class Ingress:
     @app.get("/metrics")
     async def prometheus(self) -> PlainTextResponse:
         return await self.metrics()
-
-
-def _raise_for(out: Any) -> None:
-    if isinstance(out, dict) and "error" in out:
-        raise ApiError(int(out["status"]), out["error"])
-
-
-def _grammar_view(reg: dict[str, Any], spec: bool = False) -> dict[str, Any]:
-    view = {
-        "id": reg["grammar_id"],
-        "object": "grammar",
-        "name": reg["name"],
-        "kind": reg["spec"]["kind"],
-        "created": int(reg["created"]),
-        "bytes": reg["bytes"],
-        "compile_seconds": reg["compile_s"],
-        "fidelity": {"loosened": reg["warnings"]},
-    }
-    if spec:
-        view["spec"] = reg["spec"]
-    return view

@@ -1,0 +1,291 @@
+"""The service end to end: real Ray Serve, the real `openai` client over HTTP, the real model, a
+real Redis. One Ray session and one deployment for the whole module (replicas take no CPUs, so
+everything fits on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+from pydantic import BaseModel, Field
+
+from deployments.config import (
+    GrammarServiceConfig,
+    LLMConfig,
+    ServiceConfig,
+    TenantConfig,
+    TenantLimits,
+)
+from deployments.tenants import digest
+
+KEY_A, KEY_B, KEY_SLOW = "sk-test-tenant-a", "sk-test-tenant-b", "sk-test-limited"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _redis_url(db: int) -> str:
+    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    return base.rsplit("/", 1)[0] + f"/{db}" if base.count("/") > 2 else f"{base}/{db}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    import ray
+    import redis
+    from ray import serve
+
+    from deployments.app import build_app
+
+    redis.Redis.from_url(_redis_url(11)).flushdb()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        include_dashboard=False,
+        num_cpus=2,
+        object_store_memory=200 << 20,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = ServiceConfig(
+        redis_url=_redis_url(11),
+        tenants=[
+            TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)]),
+            TenantConfig(name="tenant-b", api_key_sha256=[digest(KEY_B)]),
+            TenantConfig(
+                name="tenant-limited",
+                api_key_sha256=[digest(KEY_SLOW)],
+                limits=TenantLimits(requests_per_minute=3, max_concurrent=1, max_tokens=64),
+            ),
+        ],
+        llm=LLMConfig(
+            engine={"kv_cache_memory": 128 << 20, "max_num_seqs": 16},
+            max_ongoing_requests=8,
+            max_queued_requests=4,
+        ),
+        grammar=GrammarServiceConfig(workers=1, deadline_s=5.0),
+    )
+    serve.run(build_app(cfg), name="structserve", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("the service did not become healthy in 300 s")
+    yield url
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY_A, max_retries=0, timeout=120)
+
+
+def ask(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def test_chat_completion(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=ask("Say hello."), max_tokens=8, temperature=0
+    )
+    assert out.choices[0].message.content
+    assert out.usage.completion_tokens <= 8 and out.usage.prompt_tokens > 0
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_streaming_gives_the_same_text(client):
+    kwargs = {"model": MODEL, "messages": ask("Name a colour."), "max_tokens": 12, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kwargs, stream=True)
+        if c.choices
+    ]
+    assert "".join(parts) == whole
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    age: int
+
+
+def test_parse_with_a_pydantic_model(client):
+    out = client.chat.completions.parse(
+        model=MODEL, messages=ask("Invent a person."), response_format=Person, max_tokens=60
+    )
+    person = out.choices[0].message.parsed
+    assert isinstance(person, Person)
+
+
+def test_json_object(client):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=ask("Give a JSON object with a key 'a'."),
+        response_format={"type": "json_object"},
+        max_tokens=40,
+        temperature=0,
+        extra_body={"structured_outputs": None},
+    )
+    text = out.choices[0].message.content
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # cut by max_tokens: still a prefix of an object
+        assert text.lstrip().startswith("{")
+
+
+def test_regex_through_structured_outputs(client):
+    out = client.completions.create(
+        model=MODEL,
+        prompt="A three-digit number:",
+        max_tokens=10,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+    )
+    assert re.fullmatch("[0-9]{3}", out.choices[0].text)
+
+
+def _register(server: str, key: str, name: str, body: dict) -> requests.Response:
+    return requests.post(
+        f"{server}/v1/grammars",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"name": name, **body},
+        timeout=60,
+    )
+
+
+def test_registered_grammar_by_id_and_tenant_isolation(server, client):
+    reg = _register(server, KEY_A, "yes-no", {"structured_outputs": {"choice": ["yes", "no"]}})
+    assert reg.status_code == 201, reg.text
+    gid = reg.json()["id"]
+    out = client.chat.completions.create(
+        model=MODEL, messages=ask("Is water wet?"), max_tokens=4, extra_body={"grammar_id": gid}
+    )
+    assert out.choices[0].message.content in ("yes", "no")
+    listed = requests.get(f"{server}/v1/grammars", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert gid in [g["id"] for g in listed.json()["data"]]
+
+    b = {"Authorization": f"Bearer {KEY_B}"}
+    assert requests.get(f"{server}/v1/grammars/{gid}", headers=b).status_code == 404
+    assert requests.delete(f"{server}/v1/grammars/{gid}", headers=b).status_code == 404
+    assert gid not in [
+        g["id"] for g in requests.get(f"{server}/v1/grammars", headers=b).json()["data"]
+    ]
+    other = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY_B, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.chat.completions.create(
+            model=MODEL, messages=ask("?"), max_tokens=4, extra_body={"grammar_id": gid}
+        )
+
+
+def test_unknown_or_missing_keys_are_401(server):
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic x"}):
+        r = requests.post(f"{server}/v1/chat/completions", headers=headers, json={})
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+    # a client-sent tenant header changes nothing
+    r = requests.get(f"{server}/v1/models", headers={"X-Tenant-Id": "tenant-a"})
+    assert r.status_code == 401
+
+
+def test_rate_limit_answers_429_with_retry_after(server):
+    limited = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY_SLOW, max_retries=0)
+    statuses = []
+    for _ in range(5):
+        try:
+            limited.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+            statuses.append(200)
+        except openai.RateLimitError as exc:
+            statuses.append(429)
+            assert int(exc.response.headers["Retry-After"]) >= 1
+    assert statuses[:3] == [200, 200, 200] and statuses[3:] == [429, 429]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "messages": "not a list"}, "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+            "max_tokens",
+        ),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "structured_outputs": {"regex": "(.{0,50}){0,50}"},
+            },
+            "structured.regex",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "bogus"}},
+                },
+            },
+            "structured.json_schema",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
+            "max_tokens",
+        ),
+    ],
+)
+def test_bad_input_is_a_4xx_naming_the_field(server, body, param):
+    r = requests.post(
+        f"{server}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        json=body,
+        timeout=60,
+    )
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert err["param"] == param or err["message"].startswith(param), err
+
+
+def test_malformed_and_oversized_bodies(server):
+    h = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    r = requests.post(f"{server}/v1/chat/completions", headers=h, data=b"{not json")
+    assert r.status_code == 400
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (5 << 20)}]})
+    r = requests.post(f"{server}/v1/chat/completions", headers=h, data=big.encode())
+    assert r.status_code == 413
+
+
+def test_overload_ends_every_request_with_200_or_429(server):
+    def one(i: int) -> int:
+        r = requests.post(
+            f"{server}/v1/completions",
+            headers={"Authorization": f"Bearer {KEY_B}"},
+            json={"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 16},
+            timeout=300,
+        )
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["text"] is not None
+        return r.status_code
+
+    with ThreadPoolExecutor(40) as pool:
+        codes = list(pool.map(one, range(40)))
+    assert set(codes) <= {200, 429}, codes
+    assert 200 in codes
