@@ -72,24 +72,29 @@ def time_to_first_mask(backend: Any, provider: Any, so: Any) -> float:
 
 def replica(args: argparse.Namespace) -> None:
     """The second process: Redis-warm, LRU-warm and cold, per schema, as JSON lines on stdout."""
+    from grammar_registry.cache import LRUBytes
     from services.engine.grammar import GrammarError
     from services.engine.params import StructuredOutput
 
-    backend, _service, provider = build(args.redis_url, 1, args.deadline)
+    backend, service, provider = build(args.redis_url, 1, args.deadline)
     for name, schema in load_schemas(args.limit):
         so = StructuredOutput(json_schema=schema)
-        row: dict[str, Any] = {"file": name}
+        row: dict[str, Any] = {"file": name, "redis": 1e9, "cold": 1e9}
         try:
-            row["redis"] = time_to_first_mask(backend, provider, so)
+            # Two alternating trials, best of each: neither path gets warmer caches for free.
+            for _ in range(2):
+                start = time.perf_counter()
+                compiled = backend.compile(so)
+                backend.new_state(compiled).fill_bitmask(backend.allocate_bitmask(1), 0)
+                row["cold"] = min(row["cold"], time.perf_counter() - start)
+                provider.l1 = LRUBytes(provider.l1.max_bytes)  # a fresh replica each time
+                service.recent = LRUBytes(service.recent.max_bytes)
+                provider.stats.update(blob=0, local=0)
+                row["redis"] = min(row["redis"], time_to_first_mask(backend, provider, so))
             row["source"] = "blob" if provider.stats["blob"] else "local"
-            provider.stats.update(blob=0, local=0)
             row["lru"] = time_to_first_mask(backend, provider, so)
-            start = time.perf_counter()
-            compiled = backend.compile(so)
-            backend.new_state(compiled).fill_bitmask(backend.allocate_bitmask(1), 0)
-            row["cold"] = time.perf_counter() - start
         except GrammarError as exc:
-            row["error"] = str(exc)[:200]
+            row = {"file": name, "error": str(exc)[:200]}
         print(json.dumps(row), flush=True)
 
 

@@ -83,6 +83,7 @@ class _Common(_Body):
     structured_outputs: StructuredOutputs | None = None
     grammar_id: str | None = None
     kv_policy: KVPolicyBody | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
 
     @field_validator("stop")
     @classmethod
@@ -222,6 +223,7 @@ def sampling_from(body: _Common, max_tokens_cap: int, default_max_tokens: int) -
             top_p=body.top_p,
             seed=body.seed,
             stop=body.stop,
+            ignore_eos=body.ignore_eos,
             structured=structured_from(body),
             kv=kv,
         )

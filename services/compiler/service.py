@@ -60,6 +60,8 @@ class CompilerConfig(BaseModel):
     max_inflight_per_tenant: int = Field(default=4, ge=1)
     # Store the blob only when loading it is clearly faster than compiling it again.
     blob_gain: float = Field(default=0.8, gt=0)
+    fetch_overhead_s: float = Field(default=0.002, ge=0)
+    fetch_bytes_per_s: float = Field(default=200e6, gt=0)
     redis_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
     failure_ttl_s: int = Field(default=600, ge=1)
     max_entry_bytes: int = Field(default=64 << 20, ge=1)
@@ -197,7 +199,10 @@ class CompileService:
                 mask_ms=out.get("mask_ms", 0.0),
             )
         blob: bytes = out["blob"]
-        keep = out["load_s"] < cfg.blob_gain * out["compile_s"]
+        # Loading also pays for moving the blob out of Redis and a fixed round trip: a blob is
+        # kept only when all of that still beats compiling by a margin.
+        fetch_s = cfg.fetch_overhead_s + len(blob) / cfg.fetch_bytes_per_s
+        keep = out["load_s"] + fetch_s < cfg.blob_gain * out["compile_s"]
         return Verdict(
             ok=True,
             warnings=out["warnings"],

@@ -1,97 +1,19 @@
 """The service end to end: real Ray Serve, the real `openai` client over HTTP, the real model, a
-real Redis. One Ray session and one deployment for the whole module (replicas take no CPUs, so
-everything fits on 2 cores)."""
+real Redis (the deployment comes from conftest.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 import requests
+from e2e_keys import KEY_A, KEY_B, KEY_SLOW
 from pydantic import BaseModel, Field
 
-from deployments.config import (
-    GrammarServiceConfig,
-    LLMConfig,
-    ServiceConfig,
-    TenantConfig,
-    TenantLimits,
-)
-from deployments.tenants import digest
-
-KEY_A, KEY_B, KEY_SLOW = "sk-test-tenant-a", "sk-test-tenant-b", "sk-test-limited"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _redis_url(db: int) -> str:
-    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    return base.rsplit("/", 1)[0] + f"/{db}" if base.count("/") > 2 else f"{base}/{db}"
-
-
-@pytest.fixture(scope="module")
-def server():
-    import ray
-    import redis
-    from ray import serve
-
-    from deployments.app import build_app
-
-    redis.Redis.from_url(_redis_url(11)).flushdb()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        include_dashboard=False,
-        num_cpus=2,
-        object_store_memory=200 << 20,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = ServiceConfig(
-        redis_url=_redis_url(11),
-        tenants=[
-            TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)]),
-            TenantConfig(name="tenant-b", api_key_sha256=[digest(KEY_B)]),
-            TenantConfig(
-                name="tenant-limited",
-                api_key_sha256=[digest(KEY_SLOW)],
-                limits=TenantLimits(requests_per_minute=3, max_concurrent=1, max_tokens=64),
-            ),
-        ],
-        llm=LLMConfig(
-            engine={"kv_cache_memory": 128 << 20, "max_num_seqs": 16},
-            max_ongoing_requests=8,
-            max_queued_requests=4,
-        ),
-        grammar=GrammarServiceConfig(workers=1, deadline_s=5.0),
-    )
-    serve.run(build_app(cfg), name="structserve", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail("the service did not become healthy in 300 s")
-    yield url
-    serve.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,270 @@
+"""Serving: the HTTP service under load vs the same workload on the in-process engine.
+
+Starts the service (Ray Serve on this machine, loopback only) unless `--url` is given, then for
+each concurrency level sends a bounded number of streaming chat requests, half of them constrained
+by a JSON schema, and measures time to first token, inter-token latency (p50/p99), request
+throughput and 429s. The same requests then run through `AsyncLLM` in this process at the same
+concurrency: the ratio is the serving overhead (HTTP, Ray handles, SSE).
+
+    .venv/bin/python benchmarks/serving.py [--levels 1,8,32] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = Path(__file__).resolve().parent / "results"
+KEY = "sk-bench"
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}, "year": {"type": "integer"}},
+    "required": ["city", "year"],
+}
+TOPICS = ["a river", "a city", "a train", "the sea", "a mountain", "a library", "winter", "a cat"]
+
+
+def workload(n: int) -> list[dict[str, Any]]:
+    reqs = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        body: dict[str, Any] = {
+            "messages": [{"role": "user", "content": f"Tell me about {topic}."}],
+            "constrained": i % 2 == 1,
+        }
+        reqs.append(body)
+    return reqs
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def http_level(url: str, reqs: list[dict], concurrency: int, max_tokens: int) -> dict:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    ttft, itl, statuses, tokens = [], [], [], 0
+
+    async def one(session: aiohttp.ClientSession, req: dict) -> None:
+        nonlocal tokens
+        body: dict[str, Any] = {
+            "model": "any",
+            "messages": req["messages"],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": not req["constrained"],
+            "stream": True,
+        }
+        if req["constrained"]:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+        async with sem:
+            start = last = time.perf_counter()
+            headers = {"Authorization": f"Bearer {KEY}"}
+            async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+                statuses.append(r.status)
+                if r.status != 200:
+                    return
+                first = True
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if not chunk.get("choices") or not chunk["choices"][0]["delta"].get("content"):
+                        continue
+                    now = time.perf_counter()
+                    if first:
+                        ttft.append(now - start)
+                        first = False
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    tokens += 1
+
+    start = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(one(session, r) for r in reqs))
+    wall = time.perf_counter() - start
+    return summary(ttft, itl, wall, len(reqs), tokens, statuses)
+
+
+async def engine_level(llm: Any, reqs: list[dict], concurrency: int, max_tokens: int) -> dict:
+    from services import SamplingParams, StructuredOutput
+
+    sem = asyncio.Semaphore(concurrency)
+    ttft, itl, tokens = [], [], 0
+
+    async def one(req: dict) -> None:
+        nonlocal tokens
+        structured = StructuredOutput(json_schema=SCHEMA) if req["constrained"] else None
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=not req["constrained"],
+            structured=structured,
+        )
+        async with sem:
+            prompt = llm.engine.apply_chat_template(req["messages"])
+            start = last = time.perf_counter()
+            first = True
+            async for out in llm.add_request(prompt, params):
+                if not out.delta_text:
+                    continue
+                now = time.perf_counter()
+                if first:
+                    ttft.append(now - start)
+                    first = False
+                else:
+                    itl.append(now - last)
+                last = now
+                tokens += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(r) for r in reqs))
+    wall = time.perf_counter() - start
+    return summary(ttft, itl, wall, len(reqs), tokens, [200] * len(reqs))
+
+
+def summary(ttft, itl, wall, n, tokens, statuses) -> dict:
+    return {
+        "requests": n,
+        "seconds": wall,
+        "requests_per_s": n / wall,
+        "chunks_per_s": tokens / wall,
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
+        "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+        "itl_p50_ms": pct(itl, 0.5) * 1e3,
+        "itl_p99_ms": pct(itl, 0.99) * 1e3,
+        "status_429": statuses.count(429),
+        "status_other": sum(1 for s in statuses if s not in (200, 429)),
+    }
+
+
+def start_service(port: int) -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["STRUCTSERVE_API_KEY"] = KEY
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import GrammarServiceConfig, LLMConfig, ServiceConfig
+
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = ServiceConfig(
+        llm=LLMConfig(engine={"kv_cache_memory": 512 << 20}, max_ongoing_requests=64),
+        grammar=GrammarServiceConfig(workers=1),
+    )
+    serve.run(build_app(cfg), name="bench", route_prefix="/", blocking=False)
+
+
+def wait_healthy(url: str) -> None:
+    import requests
+
+    for _ in range(600):
+        try:
+            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise SystemExit("the service did not become healthy")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--levels", default="1,8,32")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=0, help="per level (default 2x level, >= 8)")
+    p.add_argument("--url", help="an already running service (its key in STRUCTSERVE_API_KEY)")
+    p.add_argument("--port", type=int, default=8321)
+    args = p.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    url = args.url or f"http://127.0.0.1:{args.port}"
+    if not args.url:
+        start_service(args.port)
+    wait_healthy(url)
+    plan = {c: workload(args.requests or max(8, 2 * c)) for c in levels}
+    asyncio.run(http_level(url, workload(2), 2, 4))  # warm-up: compiles the schema, loads paths
+    http = {}
+    for c in levels:
+        http[c] = asyncio.run(http_level(url, plan[c], c, args.max_tokens))
+        print(f"http   c={c:<3} {json.dumps(http[c])}", flush=True)
+    if not args.url:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+    from services.engine.async_llm import AsyncLLM
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+
+    llm = AsyncLLM(LLMEngine(EngineConfig(kv_cache_memory=512 << 20)))
+
+    async def offline() -> dict:
+        await engine_level(llm, workload(2), 2, 4)
+        out = {}
+        for c in levels:
+            out[c] = await engine_level(llm, plan[c], c, args.max_tokens)
+            print(f"engine c={c:<3} {json.dumps(out[c])}", flush=True)
+        return out
+
+    engine = asyncio.run(offline())
+    llm.shutdown()
+    report(levels, http, engine, args)
+
+
+def report(levels: list[int], http: dict, engine: dict, args: argparse.Namespace) -> None:
+    rows = []
+    print(
+        "\n| concurrency | HTTP req/s | engine req/s | HTTP/engine | TTFT p50/p99 ms (HTTP) "
+        "| ITL p50/p99 ms (HTTP) | TTFT p50 ms (engine) | 429s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for c in levels:
+        h, e = http[c], engine[c]
+        ratio = h["requests_per_s"] / e["requests_per_s"]
+        rows.append({"concurrency": c, "http": h, "engine": e, "http_over_engine": ratio})
+        print(
+            f"| {c} | {h['requests_per_s']:.2f} | {e['requests_per_s']:.2f} | {ratio:.2f} | "
+            f"{h['ttft_p50_ms']:.0f}/{h['ttft_p99_ms']:.0f} | "
+            f"{h['itl_p50_ms']:.0f}/{h['itl_p99_ms']:.0f} | {e['ttft_p50_ms']:.0f} | "
+            f"{h['status_429']} |"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    out = {"max_tokens": args.max_tokens, "levels": rows}
+    (RESULTS / "serving.json").write_text(json.dumps(out, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(levels, [http[c]["requests_per_s"] for c in levels], "o-", label="HTTP service")
+    ax.plot(levels, [engine[c]["requests_per_s"] for c in levels], "s-", label="in-process engine")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("requests / s")
+    ax.set_title(f"Serving overhead ({args.max_tokens} tokens, half JSON-constrained)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "serving.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""The test tenants' API keys (the service only ever sees their sha256)."""
+
+KEY_A, KEY_B, KEY_SLOW = "sk-test-tenant-a", "sk-test-tenant-b", "sk-test-limited"
