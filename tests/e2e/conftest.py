@@ -9,7 +9,7 @@ import time
 
 import pytest
 import requests
-from e2e_keys import KEY_A, KEY_B, KEY_SLOW
+from e2e_keys import KEY_A, KEY_B, KEY_ONE, KEY_SLOW
 
 from deployments.config import (
     GrammarServiceConfig,
@@ -94,6 +94,11 @@ def server(proxy):
                 name="tenant-limited",
                 api_key_sha256=[digest(KEY_SLOW)],
                 limits=TenantLimits(requests_per_minute=3, max_concurrent=1, max_tokens=64),
+            ),
+            TenantConfig(
+                name="tenant-one",
+                api_key_sha256=[digest(KEY_ONE)],
+                limits=TenantLimits(max_concurrent=1),
             ),
         ],
     )

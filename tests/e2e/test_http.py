@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import requests
-from e2e_keys import KEY_A, KEY_B, KEY_SLOW
+from e2e_keys import KEY_A, KEY_B, KEY_ONE, KEY_SLOW
 from pydantic import BaseModel, Field
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -140,6 +140,34 @@ def test_rate_limit_answers_429_with_retry_after(server):
     assert statuses[:3] == [200, 200, 200] and statuses[3:] == [429, 429]
 
 
+def test_concurrency_limit_answers_429_while_a_request_runs(server):
+    body = {
+        "model": MODEL,
+        "prompt": "Count:",
+        "max_tokens": 64,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {KEY_ONE}"}
+    with requests.post(
+        f"{server}/v1/completions", headers=headers, json=body, stream=True, timeout=120
+    ) as running:
+        assert running.status_code == 200
+        next(running.iter_lines())  # the first is in flight
+        second = requests.post(
+            f"{server}/v1/completions", headers=headers, json={**body, "stream": False}
+        )
+        assert second.status_code == 429
+        assert "running" in second.json()["error"]["message"]
+        assert int(second.headers["Retry-After"]) >= 1
+        for _ in running.iter_lines():
+            pass
+    after = requests.post(
+        f"{server}/v1/completions", headers=headers, json={**body, "stream": False}, timeout=120
+    )
+    assert after.status_code == 200  # the slot was released
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -171,6 +199,10 @@ def test_rate_limit_answers_429_with_retry_after(server):
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
             "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": ask("x"), "kv_policy": {"kind": "full", "bogus": 1}},
+            "kv_policy.bogus",
         ),
     ],
 )
