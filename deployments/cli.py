@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments.config import ServiceConfig
+from services import settings
 
 
 def load_config(path: str | None) -> dict[str, Any]:
@@ -36,7 +37,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
     raw = load_config(args.config)
     if args.model:
         raw["model"] = args.model
-    raw["redis_url"] = args.redis_url or raw.get("redis_url") or os.environ.get("REDIS_URL")
+    raw["redis_url"] = args.redis_url or raw.get("redis_url") or settings.redis_url()
     ingress = dict(raw.get("ingress", {}))
     ingress.update({"port": args.port or ingress.get("port", 8000), "host": args.host})
     raw["ingress"] = ingress
@@ -45,7 +46,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
 
 def serve_command(args: argparse.Namespace) -> int:
     cfg = build_config(args)
-    key = args.api_key or os.environ.get("STRUCTSERVE_API_KEY")
+    key = args.api_key or settings.api_key()
     made_key = False
     if not key and not cfg.tenants and not cfg.api_keys_file:
         key, made_key = "sk-" + secrets.token_urlsafe(24), True

@@ -8,13 +8,13 @@ refusal crosses the deployment handle with its status intact.
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 from deployments.config import ServiceConfig
 from grammar_registry.cache import Verdict
 from grammar_registry.specs import GrammarSpec
 from grammar_registry.tenants import RegistrationError
+from services import settings
 from services.compiler import CompilerConfig, CompileService
 from services.compiler.specs import to_spec
 from services.engine.grammar.backend import GrammarError
@@ -23,7 +23,7 @@ from services.engine.params import StructuredOutput
 
 def redis_client(url: str | None) -> Any | None:
     """A client for `url` (else `REDIS_URL`), with short timeouts: a dead Redis must cost little."""
-    url = url or os.environ.get("REDIS_URL")
+    url = url or settings.redis_url()
     if not url:
         return None
     import redis

@@ -31,7 +31,7 @@ class GrammarLimits(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_spec_bytes: int = Field(default=256 << 10, ge=1)
-    max_depth: int = Field(default=48, ge=1)  # nesting of the spec document itself
+    max_depth: int = Field(default=64, ge=1)  # nesting of the spec document itself
     max_properties: int = Field(default=5000, ge=1)  # summed over every object schema
     max_enum_values: int = Field(default=1000, ge=1)  # per enum, and choices per request
     max_total_enum_values: int = Field(default=10000, ge=1)

@@ -28,3 +28,8 @@ def default_model() -> str | None:
 def api_key() -> str | None:
     """The default tenant's API key (`STRUCTSERVE_API_KEY`), if one is set."""
     return os.environ.get("STRUCTSERVE_API_KEY") or None
+
+
+def redis_url() -> str | None:
+    """`REDIS_URL`: the Redis the service uses when its config names none."""
+    return os.environ.get("REDIS_URL") or None

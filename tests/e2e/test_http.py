@@ -153,14 +153,15 @@ def test_concurrency_limit_answers_429_while_a_request_runs(server):
         f"{server}/v1/completions", headers=headers, json=body, stream=True, timeout=120
     ) as running:
         assert running.status_code == 200
-        next(running.iter_lines())  # the first is in flight
+        lines = running.iter_lines()  # kept: dropping the iterator would close the connection
+        next(lines)  # the first request is in flight
         second = requests.post(
             f"{server}/v1/completions", headers=headers, json={**body, "stream": False}
         )
         assert second.status_code == 429
         assert "running" in second.json()["error"]["message"]
         assert int(second.headers["Retry-After"]) >= 1
-        for _ in running.iter_lines():
+        for _ in lines:
             pass
     after = requests.post(
         f"{server}/v1/completions", headers=headers, json={**body, "stream": False}, timeout=120
