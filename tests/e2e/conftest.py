@@ -4,56 +4,21 @@ deployed once (replicas take no CPUs, so everything fits on 2 cores)."""
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
-import requests
-from e2e_keys import KEY_A, KEY_B, KEY_ONE, KEY_SLOW
-
-from deployments.config import (
-    GrammarServiceConfig,
-    LLMConfig,
-    ServiceConfig,
-    TenantConfig,
-    TenantLimits,
+from e2e_support import (
+    KEY_A,
+    KEY_B,
+    KEY_ONE,
+    KEY_SLOW,
+    free_port,
+    redis_url,
+    small_config,
+    wait_healthy,
 )
+
+from deployments.config import TenantConfig, TenantLimits
 from deployments.tenants import digest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def redis_url(db: int) -> str:
-    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    return base.rsplit("/", 1)[0] + f"/{db}" if base.count("/") > 2 else f"{base}/{db}"
-
-
-def wait_healthy(url: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    pytest.fail(f"{url} did not become healthy in {timeout_s:.0f} s")
-
-
-def small_config(**overrides) -> ServiceConfig:
-    base = {
-        "llm": LLMConfig(
-            engine={"kv_cache_memory": 128 << 20, "max_num_seqs": 16},
-            max_ongoing_requests=8,
-            max_queued_requests=4,
-        ),
-        "grammar": GrammarServiceConfig(workers=1, deadline_s=5.0),
-    }
-    return ServiceConfig(**{**base, **overrides})
 
 
 @pytest.fixture(scope="session")

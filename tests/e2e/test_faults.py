@@ -4,44 +4,23 @@ stopped. Nothing hangs, nothing is a 500, and the service recovers."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import threading
 import time
 
 import openai
 import pytest
-import redis
 import requests
-from conftest import free_port, small_config, wait_healthy
-from e2e_keys import KEY_A
+from e2e_support import KEY_A, small_config, wait_healthy
 
 from deployments.config import TenantConfig
 from deployments.tenants import digest
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("redis-server") is None, reason="needs the redis-server binary"
-)
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def private_redis(tmp_path_factory):
-    port = free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-        cwd=tmp_path_factory.mktemp("redis"),
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0", proc
-    proc.kill()
+def private_redis(redis_server):
+    return redis_server()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import requests
-from e2e_keys import KEY_A, KEY_B, KEY_ONE, KEY_SLOW
+from e2e_support import KEY_A, KEY_B, KEY_ONE, KEY_SLOW
 from pydantic import BaseModel, Field
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -189,27 +187,9 @@ def backend_tokens(backend: XGrammarBackend, text: str) -> list[int]:
     return [ids[ch.encode()] for ch in text]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
-def test_killing_redis_changes_nothing_but_speed(backend, service, tmp_path):
-    port = _free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
+def test_killing_redis_changes_nothing_but_speed(backend, service, redis_server):
+    url, proc = redis_server()
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
     own = CompileService(backend.tokenizer_info, service.config, redis=client, pool=service.pool)
     prov = ServiceGrammarProvider(backend, own)
     try:
