@@ -95,6 +95,15 @@ class GrammarRegistration(BaseModel):
     fidelity: str = Field(default="warn", pattern="^(warn|strict)$")
 
 
+def _cancel(streams: list[Any]) -> None:
+    """Cancels replica streams still running (finished ones ignore it)."""
+    for s in streams:
+        try:
+            s.cancel()
+        except Exception:  # already finished or its replica is gone: nothing left to stop
+            log.debug("stream cancel failed", exc_info=True)
+
+
 def _raise_for(out: Any) -> None:
     if isinstance(out, dict) and "error" in out:
         raise ApiError(int(out["status"]), out["error"])
@@ -211,11 +220,13 @@ class Ingress:
         params = self._params(tenant, body)
         self._admit(tenant)
         route = "chat" if chat else "completions"
+        streams: list[Any] = []
         try:
             rid = new_id("chatcmpl" if chat else "cmpl")
             streams = [self._stream(tenant, body, params, i, rid) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
         except ApiError as err:
+            _cancel(streams)
             self.tenants.release(tenant)
             self.counts[(route, tenant, err.status)] += 1
             raise
@@ -240,6 +251,7 @@ class Ingress:
             pairs = zip(streams, firsts, strict=True)
             results = await asyncio.gather(*(drain(s, f) for s, f in pairs))
         except Exception as exc:
+            _cancel(streams)
             raise ApiError(503, "the model replica failed mid-request; try again") from exc
         choices = []
         for i, r in enumerate(results):
@@ -329,9 +341,10 @@ class Ingress:
                     + "\n\n"
                 )
             yield "data: [DONE]\n\n"
-        finally:
+        finally:  # also when the client goes away: stop the replicas' work too
             for t in tasks:
                 t.cancel()
+            _cancel(streams)
             self.tenants.release(tenant)
 
     # -- grammars ------------------------------------------------------------------------
