@@ -20,6 +20,8 @@ from services.compiler.specs import to_spec
 from services.engine.grammar.backend import GrammarError
 from services.engine.params import StructuredOutput
 
+REMOTE_TIMEOUT_S = 180.0  # above queue wait + deadline of a compile, below a client's patience
+
 
 def redis_client(url: str | None) -> Any | None:
     """A client for `url` (else `REDIS_URL`), with short timeouts: a dead Redis must cost little."""
@@ -57,6 +59,8 @@ class GrammarService:
         g = cfg.grammar
         compiler = CompilerConfig(
             workers=g.workers,
+            # one tenant never holds every worker: the others always have one to compile on
+            max_inflight_per_tenant=max(1, g.workers // 2),
             deadline_s=g.deadline_s,
             mask_budget_ms=g.mask_budget_ms,
             limits=g.limits,
@@ -89,6 +93,8 @@ class GrammarService:
             )
         except GrammarError as exc:
             return {"error": str(exc), "status": exc.status, "reason": exc.reason}
+        except (ValueError, RecursionError) as exc:
+            return {"error": f"structured: {exc}"[:300], "status": 400, "reason": "invalid"}
         return reg.model_dump(mode="json")
 
     async def registrations(self, tenant: str, grammar_id: str | None = None) -> Any:
@@ -142,11 +148,11 @@ class RemoteVerdicts:
         self, spec: GrammarSpec, tenant: str = "default", scope: str = "shared", fresh: bool = False
     ) -> Verdict:
         call = self.handle.verdict.remote(spec.model_dump_json(), tenant, scope, fresh)
-        result: Verdict = call.result()
+        result: Verdict = call.result(timeout_s=REMOTE_TIMEOUT_S)
         return result
 
     def resolve(self, tenant: str, grammar_id: str) -> GrammarSpec:
-        out = self.handle.resolve.remote(tenant, grammar_id).result()
+        out = self.handle.resolve.remote(tenant, grammar_id).result(timeout_s=REMOTE_TIMEOUT_S)
         if "error" in out:
             raise GrammarError(out["error"], reason=out["reason"], status=out["status"])
         return GrammarSpec.model_validate_json(out["spec"])

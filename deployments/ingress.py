@@ -144,7 +144,7 @@ class Ingress:
 
     async def _tenant(self, request: Request) -> str:
         try:
-            return self.tenants.authenticate(request.headers.get("authorization"))
+            return await self.tenants.authenticate(request.headers.get("authorization"))
         except AuthError as exc:
             raise ApiError(401, str(exc)) from exc
 
@@ -152,9 +152,13 @@ class Ingress:
         limit = self.config.ingress.max_body_bytes
         if int(request.headers.get("content-length") or 0) > limit:
             raise ApiError(413, f"body: larger than {limit} bytes")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise ApiError(413, f"body: larger than {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # counted as it arrives: no unbounded buffer
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"body: larger than {limit} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
@@ -163,11 +167,11 @@ class Ingress:
             msg = first["msg"].removeprefix("Value error, ")
             raise ApiError(400, f"{param}: {msg}" if param else msg, param) from exc
 
-    def _admit(self, tenant: str) -> None:
+    def _admit(self, tenant: str, slots: int = 1) -> None:
         try:
-            self.tenants.admit(tenant)
+            self.tenants.admit(tenant, slots)
         except LimitError as exc:
-            self.counts[("429", exc.reason, 429)] += 1
+            self.counts[(f"limit:{exc.reason}", tenant, 429)] += 1
             raise ApiError(429, str(exc), retry_after=exc.retry_after) from exc
 
     def _params(self, tenant: str, body: Any) -> Any:
@@ -218,17 +222,18 @@ class Ingress:
         tenant = await self._tenant(request)
         body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
         params = self._params(tenant, body)
-        self._admit(tenant)
+        self._admit(tenant, body.n)
         route = "chat" if chat else "completions"
         streams: list[Any] = []
         try:
             rid = new_id("chatcmpl" if chat else "cmpl")
             streams = [self._stream(tenant, body, params, i, rid) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
-        except ApiError as err:
+        except BaseException as err:  # incl. a client gone before the first token
             _cancel(streams)
-            self.tenants.release(tenant)
-            self.counts[(route, tenant, err.status)] += 1
+            self.tenants.release(tenant, body.n)
+            status = err.status if isinstance(err, ApiError) else 499
+            self.counts[(route, tenant, status)] += 1
             raise
         self.counts[(route, tenant, 200)] += 1
         if body.stream:
@@ -236,8 +241,11 @@ class Ingress:
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             return JSONResponse(await self._collect(body, rid, chat, streams, firsts))
+        except BaseException:
+            _cancel(streams)
+            raise
         finally:
-            self.tenants.release(tenant)
+            self.tenants.release(tenant, body.n)
 
     async def _collect(self, body: Any, rid: str, chat: bool, streams: list, firsts: list) -> dict:
         async def drain(stream: Any, first: dict[str, Any]) -> dict[str, Any]:
@@ -345,7 +353,7 @@ class Ingress:
             for t in tasks:
                 t.cancel()
             _cancel(streams)
-            self.tenants.release(tenant)
+            self.tenants.release(tenant, body.n)
 
     # -- grammars ------------------------------------------------------------------------
 
@@ -374,7 +382,11 @@ class Ingress:
 
         structured = replace(structured, fidelity=body.fidelity)
         start = time.perf_counter()
-        out = await self.grammar.register.remote(tenant, body.name, structured)
+        self._admit(tenant)  # a registration is a compile: it counts like a request
+        try:
+            out = await self.grammar.register.remote(tenant, body.name, structured)
+        finally:
+            self.tenants.release(tenant)
         _raise_for(out)
         return JSONResponse(
             {

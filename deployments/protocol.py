@@ -72,7 +72,7 @@ class _Common(_Body):
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -105,6 +105,15 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                if part.get("type") != "text":
+                    raise ValueError(f"{part.get('type')!r} content parts are not supported")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -194,7 +203,7 @@ def structured_from(body: _Common) -> StructuredOutput | None:
 
         try:
             kwargs["structural_tag"] = json.loads(kwargs["structural_tag"])
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise BadRequest(f"structural_tag: not valid JSON ({exc})", field) from exc
     try:
         return StructuredOutput(**kwargs)

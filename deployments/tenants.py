@@ -9,6 +9,7 @@ kept per ingress replica.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -82,8 +83,9 @@ class Tenants:
         self._lock = threading.Lock()
         self._buckets: dict[str, _Bucket] = {}
         self._active: dict[str, int] = {}
+        self._redis_down = 0.0  # after a failure, runtime keys are not looked up for a while
 
-    def authenticate(self, authorization: str | None) -> str:
+    async def authenticate(self, authorization: str | None) -> str:
         if not authorization or not authorization.lower().startswith("bearer "):
             raise AuthError("missing API key: send `Authorization: Bearer <key>`")
         presented = digest(authorization[7:].strip())
@@ -91,18 +93,18 @@ class Tenants:
         for known, name in self._digests:  # every digest is compared: no early exit to time
             if hmac.compare_digest(known, presented):
                 tenant = name
-        if tenant is None:
-            tenant = self._from_redis(presented)
+        if tenant is None and self.redis is not None and time.monotonic() >= self._redis_down:
+            # a blocking client: off the event loop, so a slow Redis stalls no one else
+            tenant = await asyncio.to_thread(self._from_redis, presented)
         if tenant is None:
             raise AuthError("invalid API key")
         return tenant
 
     def _from_redis(self, presented: str) -> str | None:
-        if self.redis is None:
-            return None
         try:
-            raw = self.redis.hget(_REDIS_KEYS, presented)
+            raw = self.redis.hget(_REDIS_KEYS, presented)  # type: ignore[union-attr]
         except Exception as exc:  # Redis down: configured keys still work
+            self._redis_down = time.monotonic() + 5.0
             log.warning("api keys: Redis lookup failed (%s)", exc)
             return None
         return raw.decode() if raw else None
@@ -117,15 +119,15 @@ class Tenants:
     def limits_of(self, tenant: str) -> TenantLimits:
         return self.limits.get(tenant) or self.limits[DEFAULT_TENANT]
 
-    def admit(self, tenant: str) -> None:
-        """Takes a rate token and a concurrency slot, or raises `LimitError`."""
+    def admit(self, tenant: str, slots: int = 1) -> None:
+        """Takes a rate token and `slots` concurrency slots (one per sequence), or raises."""
         lim = self.limits_of(tenant)
         with self._lock:
             bucket = self._buckets.get(tenant)
             if bucket is None:
                 rate = lim.requests_per_minute
                 bucket = self._buckets[tenant] = _Bucket(rate, rate / 60.0, rate)
-            if self._active.get(tenant, 0) >= lim.max_concurrent:
+            if self._active.get(tenant, 0) + slots > lim.max_concurrent:
                 raise LimitError(
                     f"the tenant has {lim.max_concurrent} requests running", 1.0, "concurrency"
                 )
@@ -134,8 +136,8 @@ class Tenants:
                 raise LimitError(
                     f"over {lim.requests_per_minute} requests per minute", wait, "rate"
                 )
-            self._active[tenant] = self._active.get(tenant, 0) + 1
+            self._active[tenant] = self._active.get(tenant, 0) + slots
 
-    def release(self, tenant: str) -> None:
+    def release(self, tenant: str, slots: int = 1) -> None:
         with self._lock:
-            self._active[tenant] = max(0, self._active.get(tenant, 0) - 1)
+            self._active[tenant] = max(0, self._active.get(tenant, 0) - slots)

@@ -63,8 +63,12 @@ class WorkerPool:
             while not self._closed:
                 worker = _Worker(self._ctx, self._tokenizer_json, self._memory)
                 self._all.add(worker)
-                if worker.wait_ready(START_TIMEOUT_S):
+                if worker.wait_ready(START_TIMEOUT_S) and not self._closed:
                     self._idle.put(worker)
+                    return
+                if self._closed:  # closed while it started: nobody else will kill it
+                    self._all.discard(worker)
+                    worker.kill()
                     return
                 log.error("compile worker failed to start; retrying")
                 self._all.discard(worker)
@@ -90,7 +94,7 @@ class WorkerPool:
                     log.debug("xgrammar: %s", line)
                 return result
             reason, error = "timeout", f"compile exceeded its {deadline_s:g} s deadline"
-        except (EOFError, OSError, BrokenPipeError):
+        except Exception:  # EOF, a broken pipe, an unreadable reply: the worker is not trusted
             reason, error = "crash", "the compile worker died (memory cap or a backend fault)"
         self.kills += 1
         self._all.discard(worker)

@@ -61,7 +61,21 @@ class ServiceGrammarProvider:
         self.stats = {"l1": 0, "blob": 0, "local": 0}
 
     def submit(self, spec: StructuredOutput, tenant: str = "default") -> Future[CompiledGrammar]:
-        """Resolves on a thread; an L1 hit is answered at once."""
+        """Resolves on a thread; an L1 hit is answered at once. Never raises: every failure is
+        a failed future carrying a `GrammarError`."""
+        if spec.grammar_id is not None:  # a remote lookup: never on the caller's (engine) thread
+            return _guarded(self._pool.submit(self._registered, spec, tenant), spec.kind)
+        try:
+            return self._submit(spec, tenant)
+        except GrammarError as exc:
+            return _failed(exc)
+        except Exception as exc:
+            return _failed(GrammarError(f"structured.{spec.kind}: {exc!r}"[:300]))
+
+    def _registered(self, spec: StructuredOutput, tenant: str) -> CompiledGrammar:
+        return self._submit(spec, tenant).result()
+
+    def _submit(self, spec: StructuredOutput, tenant: str) -> Future[CompiledGrammar]:
         try:
             gspec, scope = self._spec(spec, tenant)
             key = self.service.key(gspec, scope)
@@ -74,7 +88,8 @@ class ServiceGrammarProvider:
         with self._lock:
             fut = self._loading.get(key)
             if fut is None:
-                fut = self._loading[key] = self._pool.submit(self._load, gspec, tenant, scope, key)
+                fut = self._pool.submit(self._load, gspec, tenant, scope, key)
+                self._loading[key] = fut = _guarded(fut, gspec.kind)
         out: Future[CompiledGrammar] = Future()
 
         def finish(done: Future[CompiledGrammar]) -> None:
@@ -156,6 +171,23 @@ def _schema_of(spec: GrammarSpec) -> dict[str, Any] | None:
     if spec.kind == "json_object":
         return {"type": "object"}
     return None
+
+
+def _guarded(fut: Future[CompiledGrammar], kind: str) -> Future[CompiledGrammar]:
+    """`fut`, with any failure that is not a `GrammarError` turned into one."""
+    out: Future[CompiledGrammar] = Future()
+
+    def done(f: Future[CompiledGrammar]) -> None:
+        exc = f.exception()
+        if exc is None:
+            out.set_result(f.result())
+        elif isinstance(exc, GrammarError):
+            out.set_exception(exc)
+        else:
+            out.set_exception(GrammarError(f"structured.{kind}: {exc!r}"[:300], reason="invalid"))
+
+    fut.add_done_callback(done)
+    return out
 
 
 def _done(value: CompiledGrammar) -> Future[CompiledGrammar]:

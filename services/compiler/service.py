@@ -45,6 +45,9 @@ STATUS = {
     "busy": 429,
 }
 _NOT_CACHED = ("busy",)  # a verdict about the service's load, not the grammar
+# Refusals that depend on how loaded the machine was: cached for the tenant that met them only,
+# so one tenant saturating the workers cannot poison a grammar for everyone.
+_LOAD_DEPENDENT = ("timeout", "slow_mask", "memory", "crash")
 
 
 class CompilerConfig(BaseModel):
@@ -136,11 +139,13 @@ class CompileService:
         except LimitExceeded as exc:
             return Verdict(ok=False, reason="limit", error=str(exc))
         key = self.key(spec, scope)
+        mine = f"{key}:tenant:{tenant}"
         if not fresh:
-            cached = self.recent.get(key) or self.verdicts.get(key)
-            if cached is not None:
-                self._remember(key, cached)
-                return cached
+            for k in (key, mine):
+                cached = self.recent.get(k) or self.verdicts.get(k)
+                if cached is not None:
+                    self._remember(k, cached)
+                    return cached
         with self._lock:
             running = self._inflight.get(key)
             if running is None:
@@ -157,8 +162,9 @@ class CompileService:
         try:
             verdict = self._compile(spec)
             if verdict.reason not in _NOT_CACHED:
-                self.verdicts.put(key, verdict)
-                self._remember(key, verdict)
+                where = mine if verdict.reason in _LOAD_DEPENDENT else key
+                self.verdicts.put(where, verdict)
+                self._remember(where, verdict)
             running.set_result(verdict)
             return verdict
         except BaseException as exc:

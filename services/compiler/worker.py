@@ -44,6 +44,8 @@ def worker_main(conn: Connection, tokenizer_json: str, memory_bytes: int) -> Non
             result = compile_job(backend, job)
         except MemoryError:
             result = {"ok": False, "reason": "memory", "error": "compile ran out of its memory cap"}
+        except Exception as exc:  # any backend failure is this grammar's, not the worker's
+            result = {"ok": False, "reason": "invalid", "error": f"compile failed: {exc!r}"[:300]}
         result["log"] = _read_new(backend_log)
         conn.send(result)
 

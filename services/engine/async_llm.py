@@ -147,8 +147,8 @@ class AsyncLLM:
         rid = cmd.stream.request_id
         try:
             req = self.engine.add_request(cmd.prompt, cmd.params, rid, cmd.tenant)
-        except ValueError as exc:
-            cmd.stream.put(exc)
+        except Exception as exc:  # one bad request fails alone, never the loop
+            cmd.stream.put(exc if isinstance(exc, ValueError) else ValueError(repr(exc)))
             return
         self._streams[rid] = cmd.stream
         if req.finished:  # refused at admission: the reason is in warnings

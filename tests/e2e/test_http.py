@@ -205,6 +205,18 @@ def test_concurrency_limit_answers_429_while_a_request_runs(server):
             {"model": MODEL, "messages": ask("x"), "kv_policy": {"kind": "full", "bogus": 1}},
             "kv_policy.bogus",
         ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "x": 1}]}],
+            },
+            "messages.0.content",
+        ),
+        (  # nested 5000 deep: must be a 400 for this request, never the engine's death
+            {"model": MODEL, "messages": ask("x"), "structured_outputs": {"json": "[" * 5000}},
+            "structured.json_schema",
+        ),
+        ({"model": MODEL, "messages": ask("x"), "seed": 2**70}, "seed"),
     ],
 )
 def test_bad_input_is_a_4xx_naming_the_field(server, body, param):

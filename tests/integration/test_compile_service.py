@@ -280,6 +280,17 @@ def test_pathological_grammars_are_refused_in_time(name, so, reason, provider, s
     assert service.pool.wait_ready(60)  # killed workers were replaced
 
 
+def test_load_dependent_refusals_are_not_shared_between_tenants(service):
+    spec = GrammarSpec(kind="json_schema", source=_anyof_heavy(63, 999))
+    assert service.verdict(spec, "tenant-x").reason == "timeout"
+    before = service.compiles
+    assert service.verdict(spec, "tenant-x").reason == "timeout"  # remembered for x...
+    assert service.compiles == before
+    service.verdict(spec, "tenant-y")  # ... but y's request is compiled on its own
+    assert service.compiles == before + 1
+    assert service.pool.wait_ready(60)
+
+
 def test_twenty_concurrent_identical_registrations_compile_once(service):
     spec = GrammarSpec(kind="json_schema", source=person("rank"))
     before = service.compiles

@@ -24,7 +24,7 @@ def schema_dict(schema: dict[str, Any] | str | type) -> dict[str, Any]:
     if isinstance(schema, str):
         try:
             loaded = json.loads(schema)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise GrammarError(f"structured.json_schema: not valid JSON ({exc})") from exc
         if not isinstance(loaded, dict):
             raise GrammarError("structured.json_schema: must be a JSON object")
