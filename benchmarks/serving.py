@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,32 @@ def workload(n: int) -> list[dict[str, Any]]:
     return reqs
 
 
+class Latencies:
+    """Time to first chunk and gaps between chunks, over every request of a level."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.chunks = 0
+
+    def stream(self) -> Callable[[], None]:
+        """Starts one request's clock; call the result at each content chunk."""
+        start = last = time.perf_counter()
+        first = True
+
+        def chunk() -> None:
+            nonlocal last, first
+            now = time.perf_counter()
+            if first:
+                self.ttft.append(now - start)
+            else:
+                self.itl.append(now - last)
+            first, last = False, now
+            self.chunks += 1
+
+        return chunk
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -55,10 +82,9 @@ async def http_level(url: str, reqs: list[dict], concurrency: int, max_tokens: i
     import aiohttp
 
     sem = asyncio.Semaphore(concurrency)
-    ttft, itl, statuses, tokens = [], [], [], 0
+    lat, statuses = Latencies(), []
 
     async def one(session: aiohttp.ClientSession, req: dict) -> None:
-        nonlocal tokens
         body: dict[str, Any] = {
             "model": "any",
             "messages": req["messages"],
@@ -70,45 +96,35 @@ async def http_level(url: str, reqs: list[dict], concurrency: int, max_tokens: i
         if req["constrained"]:
             body["response_format"] = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
         async with sem:
-            start = last = time.perf_counter()
+            tick = lat.stream()
             headers = {"Authorization": f"Bearer {KEY}"}
             async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
                 statuses.append(r.status)
                 if r.status != 200:
                     return
-                first = True
                 async for raw in r.content:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if not chunk.get("choices") or not chunk["choices"][0]["delta"].get("content"):
-                        continue
-                    now = time.perf_counter()
-                    if first:
-                        ttft.append(now - start)
-                        first = False
-                    else:
-                        itl.append(now - last)
-                    last = now
-                    tokens += 1
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        tick()
 
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(*(one(session, r) for r in reqs))
     wall = time.perf_counter() - start
-    return summary(ttft, itl, wall, len(reqs), tokens, statuses)
+    return summary(lat, wall, len(reqs), statuses)
 
 
 async def engine_level(llm: Any, reqs: list[dict], concurrency: int, max_tokens: int) -> dict:
     from services import SamplingParams, StructuredOutput
 
     sem = asyncio.Semaphore(concurrency)
-    ttft, itl, tokens = [], [], 0
+    lat = Latencies()
 
     async def one(req: dict) -> None:
-        nonlocal tokens
         structured = StructuredOutput(json_schema=SCHEMA) if req["constrained"] else None
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -118,32 +134,24 @@ async def engine_level(llm: Any, reqs: list[dict], concurrency: int, max_tokens:
         )
         async with sem:
             prompt = llm.engine.apply_chat_template(req["messages"])
-            start = last = time.perf_counter()
-            first = True
+            tick = lat.stream()
             async for out in llm.add_request(prompt, params):
-                if not out.delta_text:
-                    continue
-                now = time.perf_counter()
-                if first:
-                    ttft.append(now - start)
-                    first = False
-                else:
-                    itl.append(now - last)
-                last = now
-                tokens += 1
+                if out.delta_text:
+                    tick()
 
     start = time.perf_counter()
     await asyncio.gather(*(one(r) for r in reqs))
     wall = time.perf_counter() - start
-    return summary(ttft, itl, wall, len(reqs), tokens, [200] * len(reqs))
+    return summary(lat, wall, len(reqs), [200] * len(reqs))
 
 
-def summary(ttft, itl, wall, n, tokens, statuses) -> dict:
+def summary(lat: Latencies, wall: float, n: int, statuses: list[int]) -> dict:
+    ttft, itl = lat.ttft, lat.itl
     return {
         "requests": n,
         "seconds": wall,
         "requests_per_s": n / wall,
-        "chunks_per_s": tokens / wall,
+        "chunks_per_s": lat.chunks / wall,
         "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
         "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
         "itl_p50_ms": pct(itl, 0.5) * 1e3,
@@ -171,19 +179,6 @@ def start_service(port: int) -> None:
     serve.run(build_app(cfg), name="bench", route_prefix="/", blocking=False)
 
 
-def wait_healthy(url: str) -> None:
-    import requests
-
-    for _ in range(600):
-        try:
-            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise SystemExit("the service did not become healthy")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--levels", default="1,8,32")
@@ -196,7 +191,10 @@ def main() -> None:
     url = args.url or f"http://127.0.0.1:{args.port}"
     if not args.url:
         start_service(args.port)
-    wait_healthy(url)
+    from deployments.cli import wait_healthy
+
+    if not wait_healthy(url):
+        raise SystemExit("the service did not become healthy")
     plan = {c: workload(args.requests or max(8, 2 * c)) for c in levels}
     asyncio.run(http_level(url, workload(2), 2, 4))  # warm-up: compiles the schema, loads paths
     http = {}

@@ -15,6 +15,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,23 @@ def load_config(path: str | None) -> dict[str, Any]:
 
         return dict(yaml.safe_load(text) or {})
     return dict(json.loads(text))
+
+
+def wait_healthy(url: str, timeout_s: float = 600) -> bool:
+    """Polls `url/healthz` until it answers 200 (True) or `timeout_s` passes (False)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    return False
 
 
 def build_config(args: argparse.Namespace) -> ServiceConfig:
@@ -64,6 +82,8 @@ def serve_command(args: argparse.Namespace) -> int:
     print(f"structserve: deploying {cfg.served_model_name} (first start converts the model)...")
     serve.run(build_app(cfg), name="structserve", route_prefix="/", blocking=False)
     url = f"http://{cfg.ingress.host}:{cfg.ingress.port}"
+    if not wait_healthy(url):
+        print("structserve: the service did not become healthy; see Ray's logs (--verbose)")
     print(f"structserve: ready at {url}/v1 (OpenAI API)")
     if made_key:
         print(f"structserve: API key for the default tenant: {key}")

@@ -27,6 +27,7 @@ from deployments.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    ResponseFormat,
     StructuredOutputs,
     error_body,
     new_id,
@@ -91,7 +92,7 @@ class GrammarRegistration(BaseModel):
 
     name: str = Field(min_length=1, max_length=128)
     structured_outputs: StructuredOutputs | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     fidelity: str = Field(default="warn", pattern="^(warn|strict)$")
 
 
@@ -360,20 +361,8 @@ class Ingress:
     async def register_grammar(self, request: Request) -> JSONResponse:
         tenant = await self._tenant(request)
         body = await self._body(request, GrammarRegistration)
-        probe = ChatCompletionRequest.model_construct(
-            structured_outputs=body.structured_outputs,
-            response_format=None,
-            grammar_id=None,
-        )
-        if body.response_format is not None:
-            try:
-                from deployments.protocol import ResponseFormat
-
-                probe.response_format = ResponseFormat.model_validate(body.response_format)
-            except ValidationError as exc:
-                raise ApiError(400, f"response_format: {exc.errors()[0]['msg']}") from exc
         try:
-            structured = structured_from(probe)
+            structured = structured_from(body)
         except BadRequest as exc:
             raise ApiError(400, str(exc), exc.param) from exc
         if structured is None or structured.grammar_id is not None:

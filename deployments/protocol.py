@@ -162,8 +162,9 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def structured_from(body: _Common) -> StructuredOutput | None:
-    """At most one of response_format (json), structured_outputs and grammar_id."""
+def structured_from(body: Any) -> StructuredOutput | None:
+    """At most one of the body's `response_format` (json), `structured_outputs` and `grammar_id`
+    (a completion request, or a grammar registration, which has no `grammar_id`)."""
     chosen: list[tuple[str, dict[str, Any]]] = []
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
@@ -190,8 +191,9 @@ def structured_from(body: _Common) -> StructuredOutput | None:
                 "structured_outputs",
             )
         chosen.append(("structured_outputs", given))
-    if body.grammar_id is not None:
-        chosen.append(("grammar_id", {"grammar_id": body.grammar_id}))
+    grammar_id = getattr(body, "grammar_id", None)
+    if grammar_id is not None:
+        chosen.append(("grammar_id", {"grammar_id": grammar_id}))
     if not chosen:
         return None
     if len(chosen) > 1:

@@ -36,18 +36,14 @@ def delta_dict(out: RequestOutput) -> dict[str, Any]:
 class LLMReplica:
     def __init__(self, config: dict[str, Any], grammar_handle: Any | None = None) -> None:
         cfg = ServiceConfig.model_validate(config)
-        engine_kwargs = {"model": cfg.model, **cfg.llm.engine}
-        provider = None
-        engine_cfg = EngineConfig(**engine_kwargs)
-        self.engine = LLMEngine(engine_cfg)
+        self.engine = LLMEngine(EngineConfig(model=cfg.model, **cfg.llm.engine))
         if grammar_handle is not None:
             from deployments.grammar_service import RemoteVerdicts
             from services.compiler import ServiceGrammarProvider
 
             backend = self.engine.grammars.backend
             remote = RemoteVerdicts(grammar_handle, backend.tokenizer_info)  # type: ignore[attr-defined]
-            provider = ServiceGrammarProvider(backend, remote)  # type: ignore[arg-type]
-            self.engine.grammars.use_provider(provider)
+            self.engine.grammars.use_provider(ServiceGrammarProvider(backend, remote))  # type: ignore[arg-type]
         self.llm = AsyncLLM(self.engine)
         self.model_name = cfg.served_model_name
 

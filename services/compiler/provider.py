@@ -73,7 +73,16 @@ class ServiceGrammarProvider:
             return _failed(GrammarError(f"structured.{spec.kind}: {exc!r}"[:300]))
 
     def _registered(self, spec: StructuredOutput, tenant: str) -> CompiledGrammar:
-        return self._submit(spec, tenant).result()
+        # Runs on a pool thread: loads inline rather than queueing a second task on the same pool
+        # and waiting for it (a full pool of such waits would deadlock).
+        gspec, scope = self._spec(spec, tenant)
+        key = self.service.key(gspec, scope)
+        hit = self.l1.get(key)
+        if hit is None:
+            hit = self._load(gspec, tenant, scope, key)
+        else:
+            self.stats["l1"] += 1
+        return self._judge(hit, spec)
 
     def _submit(self, spec: StructuredOutput, tenant: str) -> Future[CompiledGrammar]:
         try:

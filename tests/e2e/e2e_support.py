@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import pytest
-import requests
 
+from deployments import cli
 from deployments.config import GrammarServiceConfig, LLMConfig, ServiceConfig
 
 KEY_A, KEY_B, KEY_SLOW = "sk-test-tenant-a", "sk-test-tenant-b", "sk-test-limited"
@@ -28,15 +27,8 @@ def redis_url(db: int) -> str:
 
 
 def wait_healthy(url: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    pytest.fail(f"{url} did not become healthy in {timeout_s:.0f} s")
+    if not cli.wait_healthy(url, timeout_s):
+        pytest.fail(f"{url} did not become healthy in {timeout_s:.0f} s")
 
 
 def small_config(**overrides) -> ServiceConfig:
