@@ -10,8 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.attention import LongQuery, PagedBatch, ShortQueries
+from kvcache.attention import (
+    BoundsUpdate,
+    CollectRead,
+    LongQuery,
+    PagedBatch,
+    QuestRead,
+    ShortQueries,
+)
 from kvcache.pages import PagedKVCache, pages_needed
+from kvcache.policies import ReadPlan
 
 # Queries longer than this run one attention call each (a prompt chunk); shorter ones are batched.
 LONG_QUERY_THRESHOLD = 32
@@ -23,15 +31,25 @@ MAX_GROUPS = 8
 
 @dataclass(frozen=True)
 class SeqSlice:
-    """Tokens `[start, start + num_tokens)` of a sequence whose pages are `pages`."""
+    """Cache entries `[start, start + num_tokens)` of a sequence whose pages are `pages`.
+
+    `pos_start` is the RoPE position of the first new token (the cache index unless a policy
+    evicted tokens before it); `plan` says how the row reads the cache (None: every page).
+    """
 
     pages: list[int]
     start: int
     num_tokens: int
+    pos_start: int | None = None
+    plan: ReadPlan | None = None
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def first_position(self) -> int:
+        return self.start if self.pos_start is None else self.pos_start
 
 
 def _slot_mapping(seqs: list[SeqSlice], page_size: int) -> torch.Tensor:
@@ -74,7 +92,9 @@ def group_by_length(
         slack *= 1.5
 
 
-def _short_queries(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> ShortQueries:
+def _short_queries(
+    seqs: list[SeqSlice], offsets: list[int], page_size: int, trash: int
+) -> ShortQueries:
     nq = torch.tensor([s.num_tokens for s in seqs])
     qmax = int(nq.max())
     j = torch.arange(qmax)
@@ -89,17 +109,89 @@ def _short_queries(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> 
         page_index[row, :n] = torch.tensor(s.pages[:n])
     starts = torch.tensor([s.start for s in seqs])
     mask = _causal_mask(starts, qmax, pmax * page_size, nq)
-    return ShortQueries(token_index, src_index, dst_index, page_index.flatten(), mask)
+    plan = seqs[0].plan  # rows are grouped by plan
+    quest = collect = None
+    # Quest with a budget covering every page reads them all: the dense path, its exact twin
+    if plan is not None and plan.quest_pages is not None and plan.quest_pages < pmax:
+        ends = torch.tensor([s.end for s in seqs])
+        quest = QuestRead(
+            page_index, torch.tensor(npages), ends, plan.quest_pages, plan.dense_layers
+        )
+    if plan is not None and plan.collect is not None:
+        ends = starts + nq
+        key_pos = torch.arange(pmax * page_size)
+        slots = page_index.repeat_interleave(page_size, dim=1) * page_size + key_pos % page_size
+        # keys past the row's end (padding, page 0) score into the pool's sink slot
+        key_slots = torch.where(key_pos[None, :] < ends[:, None], slots, trash)
+        q_weight = _voters(nq, qmax, plan)
+        collect = CollectRead(plan.collect, key_slots, q_weight, plan.kernel_size)
+    return ShortQueries(
+        token_index, src_index, dst_index, page_index.flatten(), mask, quest, collect
+    )
 
 
-def _long_query(s: SeqSlice, offset: int, page_size: int) -> LongQuery:
+def _voters(nq: torch.Tensor, qmax: int, plan: ReadPlan) -> torch.Tensor:
+    """[R, qmax] 1.0 for the queries whose attention weights count, else 0."""
+    j = torch.arange(qmax)[None, :]
+    voters = j < nq[:, None]
+    if plan.collect == "observe":
+        voters &= j >= nq[:, None] - plan.observe
+    return voters.float()
+
+
+def _long_query(s: SeqSlice, offset: int, page_size: int, trash: int) -> LongQuery:
+    collect = None
     if s.start == 0:
-        return LongQuery(offset, offset + s.num_tokens, None, None)
+        if s.plan is not None and s.plan.collect is not None:
+            slots = _slots(s, 0, s.end, page_size)
+            q_weight = _voters(torch.tensor([s.num_tokens]), s.num_tokens, s.plan)[0]
+            collect = CollectRead(s.plan.collect, slots, q_weight, s.plan.kernel_size)
+        return LongQuery(offset, offset + s.num_tokens, None, None, collect)
     n = pages_needed(s.end, page_size)
     page_index = torch.tensor(s.pages[:n])
     nq = torch.tensor([s.num_tokens])
     mask = _causal_mask(torch.tensor([s.start]), s.num_tokens, n * page_size, nq)
-    return LongQuery(offset, offset + s.num_tokens, page_index, mask)
+    if s.plan is not None and s.plan.collect is not None:
+        slots = torch.full((n * page_size,), trash, dtype=torch.long)
+        slots[: s.end] = _slots(s, 0, s.end, page_size)
+        q_weight = _voters(nq, s.num_tokens, s.plan)[0]
+        collect = CollectRead(s.plan.collect, slots, q_weight, s.plan.kernel_size)
+    return LongQuery(offset, offset + s.num_tokens, page_index, mask, collect)
+
+
+def _slots(s: SeqSlice, start: int, end: int, page_size: int) -> torch.Tensor:
+    pos = torch.arange(start, end)
+    pages = torch.tensor(s.pages)
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def _plan_key(s: SeqSlice) -> tuple[object, ...]:
+    """Rows that read the cache the same way share attention calls."""
+    p = s.plan
+    if p is None or (p.quest_pages is None and p.collect is None):
+        return ("dense",)
+    return (p.quest_pages, p.dense_layers, p.collect, p.observe, p.kernel_size)
+
+
+def _bounds_update(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> BoundsUpdate | None:
+    """Which new keys feed Quest's page bounds, and which pages start afresh this step."""
+    tokens: list[int] = []
+    pages: list[int] = []
+    fresh: list[int] = []
+    for s, offset in zip(seqs, offsets, strict=True):
+        if s.plan is None or not s.plan.bounds:
+            continue
+        for i, pos in enumerate(range(s.start, s.end)):
+            page = s.pages[pos // page_size]
+            tokens.append(offset + i)
+            pages.append(page)
+            if pos % page_size == 0:  # a page's first key: the bounds of its last owner go
+                fresh.append(page)
+    if not tokens:
+        return None
+    return BoundsUpdate(
+        torch.tensor(tokens), torch.tensor(pages), torch.tensor(fresh, dtype=torch.long)
+    )
 
 
 def build_paged_batch(
@@ -112,44 +204,46 @@ def build_paged_batch(
     offset = 0
     for s in seqs:
         offsets.append(offset)
-        positions.extend(range(s.start, s.end))
+        positions.extend(range(s.first_position, s.first_position + s.num_tokens))
         offset += s.num_tokens
-    short_rows = [i for i, s in enumerate(seqs) if s.num_tokens <= long_threshold]
-    long_rows = [i for i, s in enumerate(seqs) if s.num_tokens > long_threshold]
-    groups = (
-        group_by_length([pages_needed(seqs[i].end, ps) for i in short_rows]) if short_rows else []
-    )
+    classes: dict[tuple[object, ...], list[int]] = {}
+    for i, s in enumerate(seqs):
+        if s.num_tokens <= long_threshold:
+            classes.setdefault(_plan_key(s), []).append(i)
+    trash = kv.trash_slot
     short = [
-        _short_queries(
-            [seqs[short_rows[g]] for g in group], [offsets[short_rows[g]] for g in group], ps
-        )
-        for group in groups
+        _short_queries([seqs[rows[g]] for g in group], [offsets[rows[g]] for g in group], ps, trash)
+        for rows in classes.values()
+        for group in group_by_length([pages_needed(seqs[i].end, ps) for i in rows])
     ]
-    long = [_long_query(seqs[i], offsets[i], ps) for i in long_rows]
-    batch = PagedBatch(kv, _slot_mapping(seqs, ps), short, long)
+    long = [
+        _long_query(s, offsets[i], ps, trash)
+        for i, s in enumerate(seqs)
+        if s.num_tokens > long_threshold
+    ]
+    zero = [
+        slot
+        for s in seqs
+        if s.plan is not None and s.plan.scores
+        for slot in _slots(s, s.start, s.end, ps).tolist()
+    ]
+    if any(s.plan is not None and s.plan.scores for s in seqs):
+        kv.ensure_scores()
+    bounds = _bounds_update(seqs, offsets, ps)
+    if bounds is not None:
+        kv.ensure_bounds()
+    batch = PagedBatch(
+        kv,
+        _slot_mapping(seqs, ps),
+        short,
+        long,
+        bounds,
+        torch.tensor(zero, dtype=torch.long) if zero else None,
+    )
     return _to_device(batch, kv.device), torch.tensor([positions], device=kv.device)
 
 
 def _to_device(batch: PagedBatch, device: torch.device) -> PagedBatch:
     if device.type == "cpu":
         return batch
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
-    short = [
-        ShortQueries(
-            *(move(t) for t in (s.token_index, s.src_index, s.dst_index, s.page_index, s.mask))
-        )
-        for s in batch.short
-    ]
-    long = [
-        LongQuery(
-            q.start,
-            q.end,
-            None if q.page_index is None else move(q.page_index),
-            None if q.mask is None else move(q.mask),
-        )
-        for q in batch.long
-    ]
-    return PagedBatch(batch.kv, move(batch.slot_mapping), short, long)
+    return batch.to(device)

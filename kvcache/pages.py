@@ -121,6 +121,30 @@ class PagedKVCache:
         self.allocator = PageAllocator(num_pages, on_first_use=self._zero_pages)
         self._zero_pages([0])  # page 0 pads every gather
         self._workspace = torch.empty(0, dtype=layout.dtype, device=device)
+        # Allocated on first use by a policy that needs them (see `kvcache.policies`):
+        # [layers, KVH, slots + 1] float32 per-token scores (H2O, SnapKV); the last slot is a
+        # sink for padded key positions, so a batched scatter never touches a real token's score.
+        self.scores = torch.empty(0, device=device)
+        # [layers, KVH, num_pages, D] channel-wise min and max of each page's keys (Quest)
+        self.bounds_min = torch.empty(0, dtype=layout.dtype, device=device)
+        self.bounds_max = torch.empty(0, dtype=layout.dtype, device=device)
+
+    @property
+    def trash_slot(self) -> int:
+        return self.num_pages * self.layout.page_size
+
+    def ensure_scores(self) -> None:
+        if not self.scores.numel():
+            lay = self.layout
+            shape = (lay.num_layers, lay.num_kv_heads, self.trash_slot + 1)
+            self.scores = torch.zeros(shape, dtype=torch.float32, device=self.device)
+
+    def ensure_bounds(self) -> None:
+        if not self.bounds_min.numel():
+            lay = self.layout
+            shape = (lay.num_layers, lay.num_kv_heads, self.num_pages, lay.head_dim)
+            self.bounds_min = torch.zeros(shape, dtype=lay.dtype, device=self.device)
+            self.bounds_max = torch.zeros(shape, dtype=lay.dtype, device=self.device)
 
     def workspace(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two reusable `[kv_heads, num_pages, page_size, head_dim]` buffers for gathered pages.

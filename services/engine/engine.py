@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
+from kvcache.policies import new_state
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.grammar.manager import GrammarManager
 from services.engine.grammar.provider import GrammarProvider
 from services.engine.model_runner import ModelRunner
-from services.engine.params import FinishReason, RequestOutput, SamplingParams
+from services.engine.params import FinishReason, KVPolicy, RequestOutput, SamplingParams
 from services.engine.request import Request
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -28,6 +29,8 @@ from services.models import LoadedModel
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+# Streams under a re-rotating policy have no context limit of their own: this caps them
+STREAM_LIMIT = 1 << 24
 
 
 class LLMEngine:
@@ -50,8 +53,9 @@ class LLMEngine:
             self.runner.kv.allocator,
         )
         self.sampler = Sampler(self.runner.device, config.seed)
-        pool_tokens = self.runner.kv.num_pages * config.page_size
+        self.pool_tokens = pool_tokens = self.runner.kv.num_pages * config.page_size
         model_len = int(getattr(self.runner.model.config, "max_position_embeddings", pool_tokens))
+        self.model_len = model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len, pool_tokens)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarManager(
@@ -110,6 +114,7 @@ class LLMEngine:
             generator=generator,
             tenant=tenant,
         )
+        req.kv_state = new_state(params.kv, self.config.page_size)
         self.requests[request_id] = req
         refusal = self._refusal(req)
         if refusal:
@@ -129,14 +134,45 @@ class LLMEngine:
         vocab = self.runner.vocab_size
         if bad := [t for t in req.prompt_token_ids if not 0 <= t < vocab]:
             return f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-        if n + params.max_tokens > self.max_model_len:
+        limit = self.max_model_len
+        if req.kv_state is not None:
+            refusal = self._kv_refusal(req.kv_state.policy)
+            if refusal:
+                return refusal
+            limit = self._context_limit(req.kv_state.policy)
+        if n + params.max_tokens > limit:
             return (
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"maximum context of {self.max_model_len} tokens"
+                f"maximum context of {limit} tokens"
             )
-        if params.kv is not None and params.kv.kind != "full":
-            return f"kv.kind: {params.kv.kind!r} is not supported by this engine build yet"
+        snapkv = req.kv_state is not None and req.kv_state.policy.kind == "snapkv"
+        if snapkv and n > self.pool_tokens:  # the whole prompt is cached until it has voted
+            return f"prompt: {n} tokens do not fit the KV pool ({self.pool_tokens} tokens)"
         return None
+
+    def _kv_refusal(self, kv: KVPolicy) -> str | None:
+        ps = self.config.page_size
+        if kv.page_size is not None and kv.page_size != ps:
+            return f"kv.page_size: must equal the engine's page size ({ps}), got {kv.page_size}"
+        if kv.offload:
+            return "kv.offload: the host page tier is not available in this engine build"
+        if kv.rerotate and self.runner.rotate is None:
+            return "kv.rerotate: this model has no rotary embedding to re-rotate keys with"
+        if kv.bounded and kv.budget + ps > min(self.pool_tokens, self.model_len):
+            return (
+                f"kv.budget_tokens: {kv.budget} (+ one page) exceeds the KV pool or the model's "
+                f"context ({min(self.pool_tokens, self.model_len)} tokens)"
+            )
+        return None
+
+    def _context_limit(self, kv: KVPolicy) -> int:
+        """Bounded policies hold budget + one page, whatever the length; positions still grow,
+        except under `rerotate`, where they stay inside the cache (StreamingLLM)."""
+        if not kv.bounded:
+            return self.max_model_len
+        if kv.rerotate:
+            return self.config.max_model_len or STREAM_LIMIT
+        return min(self.config.max_model_len or self.model_len, self.model_len)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -161,7 +197,9 @@ class LLMEngine:
         logits = self.runner.forward(sched.chunks)
         self.grammars.apply_masks(masks, logits)
         tokens = self.sampler(logits, sampling)
-        return failed + self._update(sched, sampling, tokens)
+        updated = self._update(sched, sampling, tokens)
+        self._apply_kv_policies(sched)
+        return failed + updated
 
     def _resolve_grammars(self) -> list[Request]:
         failed = self.grammars.resolve()
@@ -198,6 +236,16 @@ class LLMEngine:
             if reason:
                 self._finish(req, reason)
         return sampling
+
+    def _apply_kv_policies(self, sched: SchedulerOutput) -> None:
+        """Bounded policies evict after each step that filled their slack; pages go back."""
+        ps = self.config.page_size
+        for c in sched.chunks:
+            req, state = c.request, c.request.kv_state
+            if state is None or req.finished:
+                continue
+            if state.impl.should_compact(state, req.num_computed_tokens, req.num_prompt_tokens, ps):
+                self.scheduler.release_pages(req, self.runner.compact(req))
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         if token in req.eos_token_ids or token in (req.params.stop_token_ids or ()):

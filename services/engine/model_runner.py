@@ -6,10 +6,11 @@ import logging
 
 import torch
 
-from kvcache import attention
+from kvcache import attention, policies
 from kvcache.batch import SeqSlice, build_paged_batch
 from kvcache.pages import KVLayout, PagedKVCache
 from services.engine.config import EngineConfig
+from services.engine.request import Request
 from services.engine.scheduler import ScheduledChunk
 from services.models import LoadedModel, load_model
 
@@ -52,6 +53,8 @@ class ModelRunner:
             layout.bytes_per_token,
         )
 
+        self.rotate = rope_rotation(self.model)
+
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
@@ -59,7 +62,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits `[S, vocab]` for the chunks that sample, in their order."""
-        seqs = [SeqSlice(c.request.pages, c.start, c.num_tokens) for c in chunks]
+        seqs = [_seq_slice(c) for c in chunks]
         token_ids: list[int] = []
         sample_rows: list[int] = []
         for c in chunks:
@@ -71,7 +74,7 @@ class ModelRunner:
             self.model.set_attn_implementation(self._attn)
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
-        keep = torch.tensor(sample_rows, device=self.device)
+        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -80,3 +83,50 @@ class ModelRunner:
             paged_batch=batch,
         )
         return out.logits[0]
+
+    @torch.inference_mode()
+    def compact(self, req: Request) -> list[int]:
+        """Applies the request's KV policy to its cache; returns the pages it no longer needs."""
+        assert req.kv_state is not None
+        return policies.compact(
+            self.kv,
+            req.kv_state,
+            req.pages,
+            req.num_computed_tokens,
+            req.num_prompt_tokens,
+            self.rotate,
+        )
+
+
+def _seq_slice(c: ScheduledChunk) -> SeqSlice:
+    req, state = c.request, c.request.kv_state
+    if state is None:
+        return SeqSlice(req.pages, c.start, c.num_tokens)
+    plan = state.impl.plan(state, c.start, c.num_tokens, req.num_prompt_tokens)
+    return SeqSlice(req.pages, c.start - state.evicted, c.num_tokens, state.position(c.start), plan)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_rotation(model: torch.nn.Module) -> policies.Rotate | None:
+    """Moves post-RoPE keys by a position delta (StreamingLLM's re-rotation), from the model's
+    own inverse frequencies: transformers no longer hands rotary tables to the cache.
+
+    None when the model has no standard rotary embedding (`rerotate` is then refused).
+    """
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        return None
+
+    def rotate(keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        # keys [..., n, D]; R(a) R(b) = R(a + b), so rotating by delta moves position p to p + delta
+        freqs = delta[:, None].float() * inv_freq.to(keys.device, torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+        k = keys.float()
+        return (k * emb.cos() + _rotate_half(k) * emb.sin()).to(keys.dtype)
+
+    return rotate

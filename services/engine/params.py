@@ -79,20 +79,83 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class KVPolicy:
-    """Which keys and values attention reads for one request (`full` reads every page)."""
+    """Which keys and values attention reads for one request (`full` reads every page).
+
+    `budget_tokens` is what each KV head keeps (`window`, `sinks`, `h2o`, `snapkv`: the rest is
+    evicted and its pages freed) or reads per decode step (`quest`: every page is kept). Unset, it
+    is the window (+ sinks) where one is given, else `DEFAULT_BUDGET_TOKENS`.
+    - `window`: the last `window` tokens (defaults to the budget).
+    - `sinks`: the first `n_sink` tokens plus the last `window`; `rerotate=True` assigns positions
+      within the cache, so a stream can run past the model's trained context.
+    - `h2o`: `heavy_ratio` of the budget to the keys with the most accumulated attention, the rest
+      to the most recent tokens.
+    - `snapkv`: after prefill, keep per head the prompt positions the last `window` queries
+      (default 32) attend to most, pooled with `kernel_size`, plus that window itself.
+    - `quest`: per decode step, the pages whose key bounds promise the most attention, up to the
+      budget, plus the last page; the first `dense_layers` layers and prefill read every page.
+    `page_size`, when given, must equal the engine's page size (Quest's pages are the pool's).
+    """
 
     kind: KVKind = "full"
     budget_tokens: int | None = None
     page_size: int | None = None
     offload: bool = False
+    window: int | None = None
+    n_sink: int = 4
+    rerotate: bool = False
+    heavy_ratio: float = 0.5
+    kernel_size: int = 5
+    dense_layers: int = 2
 
     def __post_init__(self) -> None:
         if self.kind not in KV_KINDS:
             raise ValueError(f"kv.kind: {self.kind!r} is not one of {', '.join(KV_KINDS)}")
-        if self.budget_tokens is not None and self.budget_tokens < 1:
-            raise ValueError("kv.budget_tokens: must be >= 1")
+        for name in ("budget_tokens", "page_size", "window"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"kv.{name}: must be >= 1, got {value}")
         if self.offload and self.kind != "quest":
             raise ValueError("kv.offload: only the 'quest' policy can park pages in the host tier")
+        if self.n_sink < 0:
+            raise ValueError(f"kv.n_sink: must be >= 0, got {self.n_sink}")
+        if self.rerotate and self.kind not in ("sinks", "window"):
+            raise ValueError("kv.rerotate: only 'sinks' and 'window' can re-assign positions")
+        if not 0.0 <= self.heavy_ratio <= 1.0:
+            raise ValueError(f"kv.heavy_ratio: must be in [0, 1], got {self.heavy_ratio}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kv.kernel_size: must be odd and >= 1, got {self.kernel_size}")
+        if self.dense_layers < 0:
+            raise ValueError(f"kv.dense_layers: must be >= 0, got {self.dense_layers}")
+        budget = self.budget
+        if self.kind == "sinks" and budget <= self.n_sink:
+            raise ValueError(f"kv.budget_tokens: {budget} leaves no room after {self.n_sink} sinks")
+        if self.kind == "snapkv" and budget < self.observe_window:
+            raise ValueError(
+                f"kv.budget_tokens: {budget} is smaller than the observation window "
+                f"({self.observe_window})"
+            )
+
+    @property
+    def budget(self) -> int:
+        """Tokens kept (bounded policies) or read (quest) per KV head."""
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        if self.window is not None and self.kind in ("window", "sinks"):
+            return self.window + (self.n_sink if self.kind == "sinks" else 0)
+        return DEFAULT_BUDGET_TOKENS
+
+    @property
+    def observe_window(self) -> int:
+        """SnapKV: how many of the prompt's last queries vote for the positions kept."""
+        return self.window if self.window is not None else 32
+
+    @property
+    def bounded(self) -> bool:
+        """True when the policy evicts: the request's KV stays within its budget."""
+        return self.kind in ("window", "sinks", "h2o", "snapkv")
+
+
+DEFAULT_BUDGET_TOKENS = 1024
 
 
 @dataclass(frozen=True)

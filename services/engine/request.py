@@ -19,6 +19,7 @@ from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.params import FinishReason, RequestMetrics, SamplingParams
 
 if TYPE_CHECKING:
+    from kvcache.policies import KVState
     from services.engine.grammar.backend import CompiledGrammar, GrammarState
 
 
@@ -40,6 +41,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    kv_state: KVState | None = None  # a KV policy other than `full`: what it evicted so far
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -75,6 +77,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose keys and values sit in the request's pages (fewer once a policy evicts)."""
+        if self.kv_state is None:
+            return self.num_computed_tokens
+        return self.kv_state.cached(self.num_computed_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:

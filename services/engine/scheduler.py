@@ -73,8 +73,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_uncomputed_tokens, budget)
-            while not self._reserve_pages(req, req.num_computed_tokens + n):
+            n = min(req.num_uncomputed_tokens, budget, self._chunk_limit(req))
+            while not self._reserve_pages(req, req.num_cached_tokens + n):
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim, out)
                 if victim is req:
@@ -96,11 +96,11 @@ class Scheduler:
             if not req.ready:
                 not_ready.append(req)
                 continue
-            n = req.num_uncomputed_tokens
+            n = min(req.num_uncomputed_tokens, self._chunk_limit(req))
             if n > budget and cfg.enable_chunked_prefill:
                 n = budget
             fits = n <= budget or not out.chunks  # unchunked: a long prompt runs alone, not never
-            if not fits or not self._reserve_pages(req, req.num_computed_tokens + n):
+            if not fits or not self._reserve_pages(req, req.num_cached_tokens + n):
                 self.waiting.appendleft(req)
                 break
             req.status = RequestStatus.RUNNING
@@ -108,6 +108,16 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         self.waiting.extendleft(reversed(not_ready))
+
+    def _chunk_limit(self, req: Request) -> int:
+        """A bounded KV policy takes its prompt in chunks its budget can hold."""
+        state = req.kv_state
+        if state is None:
+            return req.num_uncomputed_tokens
+        limit = state.chunk_limit(
+            req.num_computed_tokens, req.num_prompt_tokens, self.config.page_size
+        )
+        return req.num_uncomputed_tokens if limit is None else limit
 
     def _reserve_pages(self, req: Request, num_tokens: int) -> bool:
         missing = pages_needed(num_tokens, self.config.page_size) - len(req.pages)
@@ -129,11 +139,19 @@ class Scheduler:
         self.allocator.free(req.pages)
         req.pages = []
         req.num_computed_tokens = 0
+        if req.kv_state is not None:  # recomputed from the first token: nothing evicted yet
+            req.kv_state.evicted = req.kv_state.compactions = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
+
+    def release_pages(self, req: Request, pages: list[int]) -> None:
+        """Frees pages a KV policy no longer needs (it compacted the request's cache)."""
+        if pages:
+            del req.pages[-len(pages) :]
+            self.allocator.free(pages)
 
     def finish(self, req: Request) -> None:
         """Frees the request's pages and forgets it, wherever it is."""
