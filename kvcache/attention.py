@@ -46,6 +46,7 @@ class CollectRead:
     key_slots: torch.Tensor  # [R, S] (or [S]) slot of each key position; padding: the sink slot
     q_weight: torch.Tensor  # [R, Q] (or [Q]) 1.0 for the queries whose weights count
     kernel_size: int  # "observe": votes are average-pooled over this many neighbours
+    voters: int = 0  # "observe" in a long query: how many trailing queries vote
 
 
 @dataclass
@@ -172,7 +173,7 @@ def paged_attention_forward(
             kl, vl = key[:, :, lq.start : lq.end], value[:, :, lq.start : lq.end]
         else:
             kl, vl = _gather(kv, layer, lq.page_index, 1)
-        if lq.collect is not None:
+        if lq.collect is not None and lq.collect.mode == "accumulate":
             c = lq.collect
             one = CollectRead(c.mode, c.key_slots[None], c.q_weight[None], c.kernel_size)
             o = _collecting_attention(kv, layer, ql, kl, vl, lq.mask, one, scaling)
@@ -185,7 +186,32 @@ def paged_attention_forward(
                 ql, kl, vl, attn_mask=lq.mask, scale=scaling, enable_gqa=gqa
             )
         out[lq.start : lq.end] = o[0].transpose(0, 1)
+        if lq.collect is not None and lq.collect.mode == "observe":
+            _observe(kv, layer, ql, kl, vl, lq.mask, lq.collect, scaling)
     return out[None], None
+
+
+def _observe(
+    kv: PagedKVCache,
+    layer: int,
+    q: torch.Tensor,  # [1, H, n, D]
+    k: torch.Tensor,  # [1, KVH, S, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [1, 1, n, S]; None: the chunk attends to itself, causally
+    collect: CollectRead,
+    scaling: float | None,
+) -> None:
+    """SnapKV's vote: only the chunk's last queries (the observation window) are materialised."""
+    n, s = q.shape[2], k.shape[2]
+    w = int(collect.q_weight.shape[0] - collect.voters)  # first voting query
+    if mask is None:
+        mask = (
+            torch.arange(s, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None]
+        )[None, None]
+    one = CollectRead(
+        collect.mode, collect.key_slots[None], collect.q_weight[None, w:], collect.kernel_size
+    )
+    _collecting_attention(kv, layer, q[:, :, w:], k, v, mask[:, :, w:], one, scaling)
 
 
 def _update_bounds(kv: PagedKVCache, layer: int, keys: torch.Tensor, upd: BoundsUpdate) -> None:

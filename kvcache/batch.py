@@ -145,7 +145,7 @@ def _long_query(s: SeqSlice, offset: int, page_size: int, trash: int) -> LongQue
         if s.plan is not None and s.plan.collect is not None:
             slots = _slots(s, 0, s.end, page_size)
             q_weight = _voters(torch.tensor([s.num_tokens]), s.num_tokens, s.plan)[0]
-            collect = CollectRead(s.plan.collect, slots, q_weight, s.plan.kernel_size)
+            collect = _long_collect(s.plan, slots, q_weight)
         return LongQuery(offset, offset + s.num_tokens, None, None, collect)
     n = pages_needed(s.end, page_size)
     page_index = torch.tensor(s.pages[:n])
@@ -155,8 +155,14 @@ def _long_query(s: SeqSlice, offset: int, page_size: int, trash: int) -> LongQue
         slots = torch.full((n * page_size,), trash, dtype=torch.long)
         slots[: s.end] = _slots(s, 0, s.end, page_size)
         q_weight = _voters(nq, s.num_tokens, s.plan)[0]
-        collect = CollectRead(s.plan.collect, slots, q_weight, s.plan.kernel_size)
+        collect = _long_collect(s.plan, slots, q_weight)
     return LongQuery(offset, offset + s.num_tokens, page_index, mask, collect)
+
+
+def _long_collect(plan: ReadPlan, slots: torch.Tensor, q_weight: torch.Tensor) -> CollectRead:
+    assert plan.collect is not None
+    voters = min(plan.observe, q_weight.shape[0]) if plan.collect == "observe" else 0
+    return CollectRead(plan.collect, slots, q_weight, plan.kernel_size, voters)
 
 
 def _slots(s: SeqSlice, start: int, end: int, page_size: int) -> torch.Tensor:

@@ -281,6 +281,7 @@ class LLMEngine:
             warnings=list(req.warnings),
             validated=req.validated,
             error_status=req.error_status,
+            prompt_logprobs=req.prompt_logprobs if req.finished else None,
         )
 
     def release(self, request_id: str) -> None:

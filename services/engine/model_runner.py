@@ -61,20 +61,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits `[S, vocab]` for the chunks that sample, in their order."""
+        """Logits `[S, vocab]` for the chunks that sample, in their order.
+
+        Chunks of requests asking for prompt log-probabilities get them recorded on the request.
+        """
         seqs = [_seq_slice(c) for c in chunks]
         token_ids: list[int] = []
         sample_rows: list[int] = []
+        scored: list[tuple[Request, list[int]]] = []  # prompt tokens predicted by this step's rows
+        score_rows: list[int] = []
         for c in chunks:
+            offset = len(token_ids)
             token_ids.extend(c.request.token_ids[c.start : c.start + c.num_tokens])
             if c.samples:
                 sample_rows.append(len(token_ids) - 1)
+            req = c.request
+            if req.params.prompt_logprobs:
+                last = min(c.start + c.num_tokens, req.num_prompt_tokens - 1)
+                if last > c.start:
+                    score_rows.extend(range(offset, offset + last - c.start))
+                    scored.append((req, req.prompt_token_ids[c.start + 1 : last + 1]))
         if self.model.config._attn_implementation != self._attn:
             # another user of this model object (a peer in a benchmark, a test) switched it back
             self.model.set_attn_implementation(self._attn)
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -82,7 +94,10 @@ class ModelRunner:
             logits_to_keep=keep,
             paged_batch=batch,
         )
-        return out.logits[0]
+        logits = out.logits[0]
+        if scored:
+            _record_prompt_logprobs(logits[len(sample_rows) :], scored)
+        return logits[: len(sample_rows)]
 
     @torch.inference_mode()
     def compact(self, req: Request) -> list[int]:
@@ -96,6 +111,18 @@ class ModelRunner:
             req.num_prompt_tokens,
             self.rotate,
         )
+
+
+def _record_prompt_logprobs(logits: torch.Tensor, scored: list[tuple[Request, list[int]]]) -> None:
+    targets = torch.tensor([t for _, ids in scored for t in ids], device=logits.device)
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0]
+    values = logprobs.tolist()
+    i = 0
+    for req, ids in scored:
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = []
+        req.prompt_logprobs.extend(values[i : i + len(ids)])
+        i += len(ids)
 
 
 def _seq_slice(c: ScheduledChunk) -> SeqSlice:

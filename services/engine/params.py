@@ -168,6 +168,9 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
+    # the log-probability of every prompt token after the first, given the tokens before it
+    # (computed as the prompt is prefilled, through the request's KV policy)
+    prompt_logprobs: bool = False
     structured: StructuredOutput | None = None
     kv: KVPolicy | None = None
 
@@ -256,3 +259,4 @@ class RequestOutput:
     warnings: list[str] = field(default_factory=list)
     validated: bool | None = None  # JSON outputs: whether the text validated against the schema
     error_status: int | None = None  # finish_reason "error": 400 bad input, 404, 422, 429
+    prompt_logprobs: list[float] | None = None  # SamplingParams.prompt_logprobs: tokens 1..n-1

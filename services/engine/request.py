@@ -53,6 +53,7 @@ class Request:
     whitespace_run: int = 0  # whitespace-only tokens at the end of the output
     validated: bool | None = None  # JSON outputs: did the text validate against the schema
     error_status: int | None = None  # finish_reason "error": the HTTP status it maps to
+    prompt_logprobs: list[float] | None = None
     _emitted_tokens: int = 0
 
     def __post_init__(self) -> None:

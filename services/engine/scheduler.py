@@ -139,6 +139,7 @@ class Scheduler:
         self.allocator.free(req.pages)
         req.pages = []
         req.num_computed_tokens = 0
+        req.prompt_logprobs = None  # recomputed with the prompt
         if req.kv_state is not None:  # recomputed from the first token: nothing evicted yet
             req.kv_state.evicted = req.kv_state.compactions = 0
         req.status = RequestStatus.WAITING

@@ -134,3 +134,18 @@ def test_rerotating_streams_may_run_past_the_trained_context(llm):
 def test_policies_the_engine_cannot_serve_are_refused_with_the_field(llm, policy, field):
     out = llm.generate(PROMPT, greedy(kv=policy))[0]
     assert out.finish_reason == "error" and out.warnings[0].startswith(field)
+
+
+def test_prompt_logprobs_match_the_reference_model_through_chunked_prefill(loaded_model):
+    import torch
+
+    chunked = LLM(loaded=loaded_model, max_num_batched_tokens=40, grammar_workers=0)
+    ids = chunked.engine.tokenize(PROMPT)
+    out = chunked.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
+    model = loaded_model.model
+    model.set_attn_implementation("sdpa")  # the engine switches it back on its next step
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) - 1
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), expected, atol=2e-3, rtol=0)

@@ -38,3 +38,58 @@ def test_kv_policy_validation():
     with pytest.raises(ValueError, match="offload"):
         KVPolicy(kind="window", offload=True)
     assert KVPolicy(kind="quest", offload=True, budget_tokens=256).offload
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"kind": "sinks", "budget_tokens": 4, "n_sink": 4}, "kv.budget_tokens"),
+        ({"kind": "snapkv", "budget_tokens": 16, "window": 32}, "kv.budget_tokens"),
+        ({"kind": "h2o", "heavy_ratio": 1.5}, "kv.heavy_ratio"),
+        ({"kind": "snapkv", "kernel_size": 4}, "kv.kernel_size"),
+        ({"kind": "quest", "rerotate": True}, "kv.rerotate"),
+        ({"kind": "quest", "dense_layers": -1}, "kv.dense_layers"),
+        ({"kind": "window", "window": 0}, "kv.window"),
+    ],
+)
+def test_bad_kv_policies_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        KVPolicy(**kwargs)
+
+
+def test_kv_policy_budgets_default_from_the_window():
+    assert KVPolicy(kind="window", window=100).budget == 100
+    assert KVPolicy(kind="sinks", window=100, n_sink=4).budget == 104
+    assert KVPolicy(kind="snapkv", budget_tokens=64).observe_window == 32
+    assert KVPolicy(kind="quest").budget == 1024 and not KVPolicy(kind="quest").bounded
+    assert KVPolicy(kind="h2o").bounded
+
+
+def test_http_kv_policy_reaches_the_engine_or_names_the_field():
+    from deployments.protocol import BadRequest, CompletionRequest, sampling_from
+
+    body = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "x",
+            "kv_policy": {"kind": "sinks", "window": 60, "rerotate": True},
+        }
+    )
+    kv = sampling_from(body, 100, 16).kv
+    assert kv is not None and kv.kind == "sinks" and kv.budget == 64 and kv.rerotate
+    bad = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "x",
+            "kv_policy": {
+                "kind": "window",
+                "rerotate": False,
+                "n_sink": 0,
+                "budget_tokens": 8,
+                "kernel_size": 2,
+            },
+        }
+    )
+    with pytest.raises(BadRequest) as err:
+        sampling_from(bad, 100, 16)
+    assert err.value.param == "kv_policy" and "kv.kernel_size" in str(err.value)

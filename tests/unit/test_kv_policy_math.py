@@ -246,3 +246,25 @@ def test_rerotation_moves_keys_to_their_new_positions():
     expected = rope(raw[:, :, kept], torch.arange(8))  # now at cache positions 0..7
     torch.testing.assert_close(cached_keys(kv, pages, 8), expected, rtol=1e-4, atol=1e-4)
     assert state.position(20) == 8  # the next token goes right after the cache
+
+
+def test_snapkv_vote_of_the_last_queries_alone_equals_the_masked_full_vote():
+    from kvcache.attention import _observe
+
+    torch.manual_seed(7)
+    n, w = 40, 6
+    q = torch.randn(1, KVH * G, n, D)
+    k = torch.randn(1, KVH, n, D)
+    v = torch.randn(1, KVH, n, D)
+    slots = torch.arange(n)
+    weights = (torch.arange(n) >= n - w).float()
+    full, part = make_cache(), make_cache()
+    for kv in (full, part):
+        kv.ensure_scores()
+    causal = (torch.arange(n)[None, :] <= torch.arange(n)[:, None])[None, None]
+    _collecting_attention(
+        full, 0, q, k, v, causal, CollectRead("observe", slots[None], weights[None], 5), None
+    )
+    _observe(part, 0, q, k, v, None, CollectRead("observe", slots, weights, 5, w), None)
+    torch.testing.assert_close(part.scores[0], full.scores[0])
+    assert full.scores[0, :, :n].sum() > 0
