@@ -2,7 +2,8 @@
 
 Each request: authenticate (API key → tenant), admit (tenant rate and concurrency), validate the
 body, then stream from an `LLMReplica` through its handle. Errors use the OpenAI error shape; no
-input a client can send produces a 500 or a hang.
+input a client can send produces a 500 or a hang. Each completion is one server span, one count
+and one JSON log line (deployments/observe.py); `/metrics` sums every replica's metrics.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time
@@ -12,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from deployments.config import ServiceConfig
+from deployments.observe import RequestObs, observe
 from deployments.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -35,7 +36,10 @@ from deployments.protocol import (
     sampling_from,
     structured_from,
 )
+from deployments.telemetry_hub import pusher, setup
 from deployments.tenants import AuthError, LimitError, Tenants
+from services import telemetry
+from services.telemetry.snapshot import render
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +53,11 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         retry_after: float | None = None,
+        reason: str | None = None,  # of a 429: rate, concurrency, replica_busy, grammar_busy
     ) -> None:
         super().__init__(message)
         self.status, self.param, self.retry_after = status, param, retry_after
+        self.reason = reason
 
 
 _KINDS = {
@@ -107,7 +113,7 @@ def _cancel(streams: list[Any]) -> None:
 
 def _raise_for(out: Any) -> None:
     if isinstance(out, dict) and "error" in out:
-        raise ApiError(int(out["status"]), out["error"])
+        raise ApiError(int(out["status"]), out["error"], reason="grammar_busy")
 
 
 def _grammar_view(reg: dict[str, Any], spec: bool = False) -> dict[str, Any]:
@@ -131,15 +137,21 @@ class Ingress:
     """Route handlers; Ray Serve binds it with the replica and grammar-service handles."""
 
     def __init__(
-        self, config: dict[str, Any], llm: Any, grammar: Any, default_key: str | None = None
+        self,
+        config: dict[str, Any],
+        llm: Any,
+        grammar: Any,
+        default_key: str | None = None,
+        hub: Any | None = None,
     ) -> None:
         from deployments.grammar_service import redis_client
 
         self.config = ServiceConfig.model_validate(config)
+        setup(self.config, "Ingress", hub)
         self.llm = llm
         self.grammar = grammar
+        self.hub = hub
         self.tenants = Tenants(self.config, default_key, redis_client(self.config.redis_url))
-        self.counts: Counter[tuple[str, str, int]] = Counter()  # (route, tenant, status)
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -172,8 +184,7 @@ class Ingress:
         try:
             self.tenants.admit(tenant, slots)
         except LimitError as exc:
-            self.counts[(f"limit:{exc.reason}", tenant, 429)] += 1
-            raise ApiError(429, str(exc), retry_after=exc.retry_after) from exc
+            raise ApiError(429, str(exc), retry_after=exc.retry_after, reason=exc.reason) from exc
 
     def _params(self, tenant: str, body: Any) -> Any:
         lim = self.tenants.limits_of(tenant)
@@ -182,7 +193,7 @@ class Ingress:
         except BadRequest as exc:
             raise ApiError(400, str(exc), exc.param) from exc
 
-    def _stream(self, tenant: str, body: Any, params: Any, index: int, rid: str) -> Any:
+    def _stream(self, obs: RequestObs, body: Any, params: Any, index: int, rid: str) -> Any:
         from dataclasses import replace
 
         if params.seed is not None and index:
@@ -195,7 +206,7 @@ class Ingress:
             p = body.prompt
             prompt = p[0] if isinstance(p, list) and isinstance(p[0], str) else p
         return self.llm.options(stream=True).generate.remote(
-            prompt, messages, params, tenant, f"{rid}-{index}"
+            prompt, messages, params, obs.tenant, f"{rid}-{index}", obs.carrier
         )
 
     async def _first(self, stream: Any) -> dict[str, Any]:
@@ -205,7 +216,8 @@ class Ingress:
         try:
             first: dict[str, Any] = await stream.__anext__()
         except BackPressureError as exc:
-            raise ApiError(429, "the model replicas are busy; try again", retry_after=1) from exc
+            message = "the model replicas are busy; try again"
+            raise ApiError(429, message, retry_after=1, reason="replica_busy") from exc
         except StopAsyncIteration as exc:
             raise ApiError(503, "the replica ended the stream early") from exc
         except Exception as exc:  # the replica died before answering
@@ -214,41 +226,51 @@ class Ingress:
         if first["finish_reason"] == "error" and not first["completion_tokens"]:
             message = first["warnings"][-1] if first["warnings"] else "request refused"
             status = first["error_status"] or 400
-            raise ApiError(status, message, message.split(":")[0])
+            raise ApiError(status, message, message.split(":")[0], reason="grammar_busy")
         return first
 
     # -- completions ---------------------------------------------------------------------
 
     async def complete(self, request: Request, chat: bool) -> Response:
-        tenant = await self._tenant(request)
+        obs = observe("chat" if chat else "completions", request.headers)
+        try:
+            response = await self._complete(request, chat, obs)
+        except BaseException as err:  # incl. a client gone before the answer
+            obs.finish(err.status if isinstance(err, ApiError) else 499, err)
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream finishes with its last event
+            obs.finish(200)
+        return response
+
+    async def _complete(self, request: Request, chat: bool, obs: RequestObs) -> Response:
+        tenant = obs.tenant = await self._tenant(request)
         body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
         params = self._params(tenant, body)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        obs.describe(body, params, rid, self.config.served_model_name)
         self._admit(tenant, body.n)
-        route = "chat" if chat else "completions"
         streams: list[Any] = []
         try:
-            rid = new_id("chatcmpl" if chat else "cmpl")
-            streams = [self._stream(tenant, body, params, i, rid) for i in range(body.n)]
+            streams = [self._stream(obs, body, params, i, rid) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
-        except BaseException as err:  # incl. a client gone before the first token
+        except BaseException:  # incl. a client gone before the first token
             _cancel(streams)
             self.tenants.release(tenant, body.n)
-            status = err.status if isinstance(err, ApiError) else 499
-            self.counts[(route, tenant, status)] += 1
             raise
-        self.counts[(route, tenant, 200)] += 1
         if body.stream:
-            events = self._sse(tenant, body, rid, chat, streams, firsts)
+            events = self._sse(obs, body, rid, chat, streams, firsts)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await self._collect(body, rid, chat, streams, firsts))
+            return JSONResponse(await self._collect(obs, body, rid, chat, streams, firsts))
         except BaseException:
             _cancel(streams)
             raise
         finally:
             self.tenants.release(tenant, body.n)
 
-    async def _collect(self, body: Any, rid: str, chat: bool, streams: list, firsts: list) -> dict:
+    async def _collect(
+        self, obs: RequestObs, body: Any, rid: str, chat: bool, streams: list, firsts: list
+    ) -> dict:
         async def drain(stream: Any, first: dict[str, Any]) -> dict[str, Any]:
             text, last = first["delta_text"], first
             while not last["finished"]:
@@ -264,6 +286,7 @@ class Ingress:
             raise ApiError(503, "the model replica failed mid-request; try again") from exc
         choices = []
         for i, r in enumerate(results):
+            obs.add_result(r)
             reason = r["finish_reason"] if r["finish_reason"] != "error" else "stop"
             if chat:
                 message = {"role": "assistant", "content": r["text"]}
@@ -290,7 +313,7 @@ class Ingress:
         }
 
     async def _sse(
-        self, tenant: str, body: Any, rid: str, chat: bool, streams: list, firsts: list
+        self, obs: RequestObs, body: Any, rid: str, chat: bool, streams: list, firsts: list
     ) -> AsyncIterator[str]:
         created = now()
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -340,6 +363,7 @@ class Ingress:
                 else:
                     if item["finished"]:
                         usage["completion_tokens"] += item["completion_tokens"]
+                        obs.add_result(item)
                     yield chunk(index, item)
             if body.stream_options is not None and body.stream_options.include_usage:
                 total = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -354,12 +378,23 @@ class Ingress:
             for t in tasks:
                 t.cancel()
             _cancel(streams)
-            self.tenants.release(tenant, body.n)
+            self.tenants.release(obs.tenant, body.n)
+            obs.finish(200)
 
     # -- grammars ------------------------------------------------------------------------
 
     async def register_grammar(self, request: Request) -> JSONResponse:
-        tenant = await self._tenant(request)
+        obs = observe("grammars", request.headers)
+        try:
+            response = await self._register_grammar(request, obs)
+        except BaseException as err:
+            obs.finish(err.status if isinstance(err, ApiError) else 499, err)
+            raise
+        obs.finish(201)
+        return response
+
+    async def _register_grammar(self, request: Request, obs: RequestObs) -> JSONResponse:
+        tenant = obs.tenant = await self._tenant(request)
         body = await self._body(request, GrammarRegistration)
         try:
             structured = structured_from(body)
@@ -426,14 +461,23 @@ class Ingress:
         return JSONResponse({"status": status, "redis": grammar["redis"]})
 
     async def metrics(self) -> PlainTextResponse:
-        lines = [
-            "# HELP structserve_requests_total HTTP requests by route, tenant and status.",
-            "# TYPE structserve_requests_total counter",
-        ]
-        for (route, tenant, status), n in sorted(self.counts.items()):
-            labels = f'route="{route}",tenant="{tenant}",status="{status}"'
-            lines.append(f"structserve_requests_total{{{labels}}} {n}")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        """Every replica's metrics, summed by the hub (this replica's pushed first, so what it
+        just counted is in); the hub unreachable: this replica's alone."""
+        kind = "text/plain; version=0.0.4; charset=utf-8"
+        tel = telemetry.get()
+        if not tel.enabled:
+            return PlainTextResponse("# telemetry is disabled\n", media_type=kind)
+        own = tel.snapshot()
+        push = pusher()
+        try:
+            if self.hub is None or push is None:
+                raise LookupError("no telemetry hub")
+            await asyncio.wait_for(self.hub.push.remote(push.source, "Ingress", own), timeout=5)
+            text = await asyncio.wait_for(self.hub.render.remote(), timeout=5)
+        except Exception as exc:
+            log.warning("metrics: the telemetry hub did not answer (%s); this replica only", exc)
+            text = render(own)
+        return PlainTextResponse(text, media_type=kind)
 
     # -- routes (Ray Serve's `serve.ingress(app)` binds them to this class) ----------------
 
