@@ -45,7 +45,11 @@ def build_app(args: dict[str, Any] | ServiceConfig) -> Application:
     hub = None
     if cfg.telemetry.enabled:  # one replica: it only adds up small snapshots
         plumbing = Backpressure(max_ongoing_requests=256, max_queued_requests=1024)
-        hub = serve.deployment(name="TelemetryHub", **_options(plumbing))(TelemetryHub).bind()
+        quiet = {"enable_access_log": False}  # a push a second from every replica
+        hub_deployment = serve.deployment(
+            name="TelemetryHub", logging_config=quiet, **_options(plumbing)
+        )
+        hub = hub_deployment(TelemetryHub).bind()
     grammar_app = grammar.bind(plain, hub)
     llm_app = llm.bind(plain, grammar_app, hub)
     return ingress.bind(plain, llm_app, grammar_app, settings.api_key(), hub)

@@ -9,6 +9,7 @@ trace context (`trace`) and answers inside a `structserve.grammar.verdict` span.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from opentelemetry.trace import Status, StatusCode
@@ -24,6 +25,8 @@ from services.compiler.specs import to_spec
 from services.engine.grammar.backend import GrammarError
 from services.engine.params import StructuredOutput
 from services.telemetry import spans
+
+log = logging.getLogger(__name__)
 
 REMOTE_TIMEOUT_S = 180.0  # above queue wait + deadline of a compile, below a client's patience
 
@@ -83,19 +86,15 @@ class GrammarService:
     ) -> Verdict:
         spec = GrammarSpec.model_validate_json(spec_json)
         attrs = {spans.GRAMMAR_KIND: spec.kind, spans.TENANT: tenant}
-        parent = self.tel.extract(trace)
-        span = self.tel.tracer.start_span(spans.GRAMMAR_VERDICT, parent, attributes=attrs)
+        span = self.tel.tracer.start_span(
+            spans.GRAMMAR_VERDICT, self.tel.extract(trace), attributes=attrs
+        )
+        verdict: Verdict | None = None
         try:
             verdict = await asyncio.to_thread(self.service.verdict, spec, tenant, scope, fresh)
-        except BaseException as exc:
-            span.set_status(Status(StatusCode.ERROR, repr(exc)[:200]))
-            span.end()
-            raise
-        span.set_attribute(spans.CACHE_LEVEL, verdict.source)
-        span.set_attribute(spans.GRAMMAR_OUTCOME, "ok" if verdict.ok else verdict.reason)
-        span.set_attribute(spans.COMPILE_SECONDS, verdict.compile_s)
-        span.end()
-        return verdict
+            return verdict
+        finally:
+            _end_verdict_span(span, verdict)
 
     async def resolve(self, tenant: str, grammar_id: str) -> dict[str, Any]:
         try:
@@ -148,6 +147,19 @@ class GrammarService:
 
     def __del__(self) -> None:
         self.service.close()
+
+
+def _end_verdict_span(span: Any, verdict: Verdict | None) -> None:
+    try:
+        if verdict is None:
+            span.set_status(Status(StatusCode.ERROR, "the verdict call failed"))
+        else:
+            span.set_attribute(spans.CACHE_LEVEL, verdict.source)
+            span.set_attribute(spans.GRAMMAR_OUTCOME, "ok" if verdict.ok else verdict.reason)
+            span.set_attribute(spans.COMPILE_SECONDS, verdict.compile_s)
+        span.end()
+    except Exception:  # telemetry never fails a verdict
+        log.debug("telemetry: ending a verdict span failed", exc_info=True)
 
 
 class RemoteVerdicts:

@@ -127,13 +127,15 @@ class EngineStats:
                 {spans.TOKENS: m.num_output_tokens, spans.FORCED_TOKENS: m.num_forced_tokens},
             ),
         ]
+        offset = telemetry.clock_offset_ns()
         for name, start, stop, attrs in phases:
             if start is None or stop is None:
                 continue
+            begin = offset + int(start * 1e9)
             span = self.tel.tracer.start_span(
-                name, context=parent, start_time=telemetry.wall_ns(start), attributes=attrs
+                name, context=parent, start_time=begin, attributes=attrs
             )
-            span.end(end_time=telemetry.wall_ns(stop))
+            span.end(end_time=offset + int(stop * 1e9))
 
     def close(self) -> None:
         for _, source in self._sources:

@@ -37,6 +37,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import NoOpMeter
+from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.telemetry import logs
@@ -63,23 +64,14 @@ class TelemetrySettings:
     export_interval_s: float = 5.0
 
 
-class LocalSpans:
-    """A span processor keeping the most recent finished spans (no endpoint: nothing leaves)."""
+class LocalSpans(SpanProcessor):
+    """Keeps the most recent finished spans in this process (no endpoint: nothing leaves)."""
 
     def __init__(self, maxlen: int = 2048) -> None:
         self.spans: deque[Any] = deque(maxlen=maxlen)
 
-    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
-        pass
-
     def on_end(self, span: Any) -> None:
         self.spans.append(span)
-
-    def shutdown(self) -> None:
-        pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
 
 
 class Telemetry:
@@ -131,7 +123,7 @@ class Telemetry:
             readers.append(PeriodicExportingMetricReader(metric_out, delay))
         else:
             self.local_spans = LocalSpans()
-            tracer_provider.add_span_processor(self.local_spans)  # type: ignore[arg-type]
+            tracer_provider.add_span_processor(self.local_spans)
         if span_exporter is not None:
             tracer_provider.add_span_processor(SimpleSpanProcessor(span_exporter))
         meter_provider = MeterProvider(resource=resource, metric_readers=readers)
@@ -244,6 +236,7 @@ def configure(settings: TelemetrySettings, component: str) -> Telemetry:
     return _current
 
 
-def wall_ns(perf_seconds: float) -> int:
-    """A `time.perf_counter()` reading as epoch nanoseconds (span timestamps)."""
-    return time.time_ns() - time.perf_counter_ns() + int(perf_seconds * 1e9)
+def clock_offset_ns() -> int:
+    """Epoch nanoseconds minus `time.perf_counter_ns()` now: adding it to a perf-counter reading
+    gives a span timestamp (take it once for a set of spans, so shared boundaries stay equal)."""
+    return time.time_ns() - time.perf_counter_ns()
