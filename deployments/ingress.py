@@ -10,10 +10,9 @@ and one JSON log line (deployments/observe.py); `/metrics` sums every replica's 
 # (after Ray Serve rewrites them), and `request: Request` must be a class, not a string.
 
 import asyncio
-import json
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from deployments.answers import ApiError, cancel, collect, error_response, sse
 from deployments.config import ServiceConfig
 from deployments.observe import RequestObs, observe
 from deployments.protocol import (
@@ -30,9 +30,7 @@ from deployments.protocol import (
     CompletionRequest,
     ResponseFormat,
     StructuredOutputs,
-    error_body,
     new_id,
-    now,
     sampling_from,
     structured_from,
 )
@@ -46,42 +44,9 @@ log = logging.getLogger(__name__)
 app = FastAPI(title="structserve", docs_url=None, redoc_url=None)
 
 
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        retry_after: float | None = None,
-        reason: str | None = None,  # of a 429: rate, concurrency, replica_busy, grammar_busy
-    ) -> None:
-        super().__init__(message)
-        self.status, self.param, self.retry_after = status, param, retry_after
-        self.reason = reason
-
-
-_KINDS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-}
-
-
-def _error_response(err: ApiError) -> JSONResponse:
-    headers = {}
-    if err.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(err.retry_after)))
-    body = error_body(str(err), _KINDS.get(err.status, "server_error"), err.param)
-    return JSONResponse(body, status_code=err.status, headers=headers)
-
-
 @app.exception_handler(ApiError)
 async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
-    return _error_response(err)
+    return error_response(err)
 
 
 @app.exception_handler(RequestValidationError)
@@ -90,7 +55,7 @@ async def _validation_error(_request: Request, err: RequestValidationError) -> J
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return _error_response(ApiError(400, message, param))
+    return error_response(ApiError(400, message, param))
 
 
 class GrammarRegistration(BaseModel):
@@ -100,15 +65,6 @@ class GrammarRegistration(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
     fidelity: str = Field(default="warn", pattern="^(warn|strict)$")
-
-
-def _cancel(streams: list[Any]) -> None:
-    """Cancels replica streams still running (finished ones ignore it)."""
-    for s in streams:
-        try:
-            s.cancel()
-        except Exception:  # already finished or its replica is gone: nothing left to stop
-            log.debug("stream cancel failed", exc_info=True)
 
 
 def _raise_for(out: Any) -> None:
@@ -254,132 +210,20 @@ class Ingress:
             streams = [self._stream(obs, body, params, i, rid) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
         except BaseException:  # incl. a client gone before the first token
-            _cancel(streams)
+            cancel(streams)
             self.tenants.release(tenant, body.n)
             raise
         if body.stream:
-            events = self._sse(obs, body, rid, chat, streams, firsts)
+            release = functools.partial(self.tenants.release, tenant, body.n)
+            events = sse(obs, body, rid, chat, streams, firsts, release)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await self._collect(obs, body, rid, chat, streams, firsts))
+            return JSONResponse(await collect(obs, body, rid, chat, streams, firsts))
         except BaseException:
-            _cancel(streams)
+            cancel(streams)
             raise
         finally:
             self.tenants.release(tenant, body.n)
-
-    async def _collect(
-        self, obs: RequestObs, body: Any, rid: str, chat: bool, streams: list, firsts: list
-    ) -> dict:
-        async def drain(stream: Any, first: dict[str, Any]) -> dict[str, Any]:
-            text, last = first["delta_text"], first
-            while not last["finished"]:
-                last = await stream.__anext__()
-                text += last["delta_text"]
-            return {**last, "text": text}
-
-        try:
-            pairs = zip(streams, firsts, strict=True)
-            results = await asyncio.gather(*(drain(s, f) for s, f in pairs))
-        except Exception as exc:
-            _cancel(streams)
-            raise ApiError(503, "the model replica failed mid-request; try again") from exc
-        choices = []
-        for i, r in enumerate(results):
-            obs.add_result(r)
-            reason = r["finish_reason"] if r["finish_reason"] != "error" else "stop"
-            if chat:
-                message = {"role": "assistant", "content": r["text"]}
-                choices.append({"index": i, "message": message, "finish_reason": reason})
-            else:
-                choices.append({"index": i, "text": r["text"], "finish_reason": reason})
-        prompt = results[0]["prompt_tokens"]
-        completion = sum(r["completion_tokens"] for r in results)
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": now(),
-            "model": body.model,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-            },
-            "structserve": {
-                "validated": [r["validated"] for r in results],
-                "warnings": [r["warnings"] for r in results],
-            },
-        }
-
-    async def _sse(
-        self, obs: RequestObs, body: Any, rid: str, chat: bool, streams: list, firsts: list
-    ) -> AsyncIterator[str]:
-        created = now()
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(index: int, delta: dict[str, Any]) -> str:
-            text, reason = delta["delta_text"], delta["finish_reason"]
-            reason = "stop" if reason == "error" else reason
-            if chat:
-                choice = {"index": index, "delta": {"content": text}, "finish_reason": reason}
-            else:
-                choice = {"index": index, "text": text, "finish_reason": reason}
-            obj = {"id": rid, "object": kind, "created": created, "model": body.model}
-            return "data: " + json.dumps({**obj, "choices": [choice]}) + "\n\n"
-
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
-
-        async def pump(index: int, stream: Any, first: dict[str, Any]) -> None:
-            try:
-                await queue.put((index, first))
-                last = first
-                while not last["finished"]:
-                    last = await stream.__anext__()
-                    await queue.put((index, last))
-            except Exception as exc:  # replica died mid-stream: the client gets an error event
-                await queue.put((index, exc))
-            await queue.put((index, None))
-
-        tasks = [
-            asyncio.create_task(pump(i, s, f))
-            for i, (s, f) in enumerate(zip(streams, firsts, strict=True))
-        ]
-        usage = {"prompt_tokens": firsts[0]["prompt_tokens"], "completion_tokens": 0}
-        try:
-            if chat:
-                for i in range(len(streams)):
-                    role = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                    obj = {"id": rid, "object": kind, "created": created, "model": body.model}
-                    yield "data: " + json.dumps({**obj, "choices": [role]}) + "\n\n"
-            open_streams = len(streams)
-            while open_streams:
-                index, item = await queue.get()
-                if item is None:
-                    open_streams -= 1
-                elif isinstance(item, BaseException):
-                    err = error_body("the model replica failed mid-stream", "server_error")
-                    yield "data: " + json.dumps(err) + "\n\n"
-                else:
-                    if item["finished"]:
-                        usage["completion_tokens"] += item["completion_tokens"]
-                        obs.add_result(item)
-                    yield chunk(index, item)
-            if body.stream_options is not None and body.stream_options.include_usage:
-                total = usage["prompt_tokens"] + usage["completion_tokens"]
-                obj = {"id": rid, "object": kind, "created": created, "model": body.model}
-                yield (
-                    "data: "
-                    + json.dumps({**obj, "choices": [], "usage": {**usage, "total_tokens": total}})
-                    + "\n\n"
-                )
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client goes away: stop the replicas' work too
-            for t in tasks:
-                t.cancel()
-            _cancel(streams)
-            self.tenants.release(obs.tenant, body.n)
-            obs.finish(200)
 
     # -- grammars ------------------------------------------------------------------------
 
