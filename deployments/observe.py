@@ -72,7 +72,7 @@ class RequestObs:
             structured = params.structured
             attrs: dict[str, Any] = {
                 spans.PROVIDER_NAME: spans.PROVIDER,
-                spans.REQUEST_MODEL: body.model,
+                spans.REQUEST_MODEL: str(body.model)[:128],
                 spans.RESPONSE_MODEL: served_model,
                 spans.RESPONSE_ID: request_id,
                 spans.REQUEST_MAX_TOKENS: params.max_tokens,
@@ -89,7 +89,8 @@ class RequestObs:
                 attrs[spans.GRAMMAR_KIND] = structured.kind
             if self.prompt is not None:
                 attrs[spans.INPUT_MESSAGES] = json.dumps(_plain(self.prompt))[:8192]
-            self.span.update_name(f"{self.operation} {body.model}")
+            # the served model, not the client's string: span names must stay few
+            self.span.update_name(f"{self.operation} {served_model}")
             self.span.set_attributes(attrs)
         except Exception:
             log.debug("telemetry: describing the request failed", exc_info=True)

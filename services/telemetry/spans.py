@@ -7,7 +7,7 @@ symbols are deprecated and may move. Project attributes use the `structserve.` p
 
 The span tree of one request:
 
-    chat {model}                        SERVER  ingress: gen_ai.*, structserve.tenant
+    chat {served model}                 SERVER  ingress: gen_ai.*, structserve.tenant
     └── structserve.generate            INTERNAL  LLM replica, one per choice
         ├── structserve.grammar.resolve           the replica's provider: cache level
         │   └── structserve.grammar.verdict       the grammar service: cache level, outcome
@@ -53,7 +53,8 @@ PREEMPTIONS = "structserve.preemptions"
 FORCED_TOKENS = "structserve.jump_forward.tokens"
 TOKENS = "structserve.tokens"
 
-# span names (the server span is "{operation} {model}")
+# span names (the server span is "{gen_ai.operation.name} {model}", with the served model's name
+# rather than the client's `model` string, which is `gen_ai.request.model`: names stay few)
 GENERATE = "structserve.generate"
 GRAMMAR_RESOLVE = "structserve.grammar.resolve"
 GRAMMAR_VERDICT = "structserve.grammar.verdict"

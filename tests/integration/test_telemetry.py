@@ -331,3 +331,33 @@ def test_log_prompts_puts_the_prompt_in_logs_and_spans(stack, tel):
     assert KEY_A not in buf.getvalue()
     server = [s for s in tel.spans.get_finished_spans() if s.name == f"chat {MODEL}"][-1]
     assert marker in server.attributes[spans.INPUT_MESSAGES]
+
+
+# -- safety -------------------------------------------------------------------------------------
+
+
+class _BrokenExporter(InMemorySpanExporter):
+    def export(self, spans):  # type: ignore[no-untyped-def]
+        raise RuntimeError("collector down")
+
+
+def test_broken_telemetry_never_fails_a_request_and_metrics_still_answer(stack, tel):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    broken = Telemetry(TelemetrySettings(), "test", span_exporter=_BrokenExporter())
+
+    def bad_source() -> list:
+        raise RuntimeError("source broke")
+
+    broken.metrics.observe("structserve.queue_depth", bad_source)
+    previous = telemetry.install(broken)
+    try:
+        out = chat(stack, KEY_A, "Invent a tree.", **structured("tree"))
+        assert out["choices"][0]["message"]["content"]
+        # no hub here: /metrics answers with this replica's own metrics
+        page = asyncio.run(stack.ingress.metrics())
+    finally:
+        telemetry.install(previous)
+        broken.shutdown()
+    names = {f.name for f in text_string_to_metric_families(page.body.decode())}
+    assert "structserve_requests" in names
