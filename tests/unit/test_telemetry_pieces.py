@@ -137,3 +137,23 @@ def test_disabled_telemetry_is_a_no_op():
     tel.metrics.requests.add(1, {"route": "chat"})
     tel.metrics.observe("structserve.queue_depth", lambda: [(1, {})])
     assert tel.snapshot() == [] and tel.inject() == {}
+
+
+def test_otlp_exporters_for_both_protocols():
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcSpanExporter,
+    )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpSpanExporter,
+    )
+
+    from services.telemetry import _otlp_exporters
+
+    spans_http, metrics_http = _otlp_exporters("http://collector:4318/", "http/protobuf")
+    assert isinstance(spans_http, HttpSpanExporter)
+    assert spans_http._endpoint == "http://collector:4318/v1/traces"
+    assert metrics_http._endpoint == "http://collector:4318/v1/metrics"
+    spans_grpc, metrics_grpc = _otlp_exporters("http://collector:4317", "grpc")
+    assert isinstance(spans_grpc, GrpcSpanExporter)
+    for exporter in (spans_http, metrics_http, spans_grpc, metrics_grpc):
+        exporter.shutdown()
