@@ -1,7 +1,8 @@
 """The application builder: `deployments.app:build_app` (the import path in the Helm chart's
 `serveConfigV2`, and what `structserve serve` runs).
 
-Ingress → (LLMReplica, GrammarService); LLMReplica → GrammarService. Every deployment gets
+Ingress → (LLMReplica, GrammarService); LLMReplica → GrammarService; every replica pushes its
+metrics to one `TelemetryHub` (when telemetry is enabled). Every deployment gets
 `max_ongoing_requests` and `max_queued_requests` from the config, and queue overflow answers 429
 with `Retry-After` instead of Ray's default 503.
 """
@@ -18,6 +19,7 @@ from deployments.config import Backpressure, ServiceConfig
 from deployments.grammar_service import GrammarService
 from deployments.ingress import Ingress
 from deployments.replica import LLMReplica
+from deployments.telemetry_hub import TelemetryHub
 from services import settings
 
 
@@ -40,5 +42,14 @@ def build_app(args: dict[str, Any] | ServiceConfig) -> Application:
         LLMReplica
     )
     ingress = serve.deployment(name="Ingress", **_options(cfg.ingress))(Ingress)
-    grammar_app = grammar.bind(plain)
-    return ingress.bind(plain, llm.bind(plain, grammar_app), grammar_app, settings.api_key())
+    hub = None
+    if cfg.telemetry.enabled:  # one replica: it only adds up small snapshots
+        plumbing = Backpressure(max_ongoing_requests=256, max_queued_requests=1024)
+        quiet = {"enable_access_log": False}  # a push a second from every replica
+        hub_deployment = serve.deployment(
+            name="TelemetryHub", logging_config=quiet, **_options(plumbing)
+        )
+        hub = hub_deployment(TelemetryHub).bind()
+    grammar_app = grammar.bind(plain, hub)
+    llm_app = llm.bind(plain, grammar_app, hub)
+    return ingress.bind(plain, llm_app, grammar_app, settings.api_key(), hub)

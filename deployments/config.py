@@ -6,7 +6,7 @@ one from its flags, and `deployments.app:build_app` takes its dict form. Unknown
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,9 +61,18 @@ class TenantConfig(_Strict):
 
 
 class TelemetryConfig(_Strict):
+    """Traces, metrics and logs (services/telemetry). `enabled: false` turns traces and metrics
+    into no-ops (`/metrics` answers an empty page); JSON logs stay."""
+
+    enabled: bool = True
+    # an OTLP collector for spans and metrics, e.g. http://otel-collector:4318; None: spans stay
+    # in each process, metrics are only scraped at /metrics
     otlp_endpoint: str | None = None
+    otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
     sampling_ratio: float = Field(default=1.0, ge=0, le=1)
+    # prompt text in request logs and spans (`gen_ai.input.messages`); off: never written
     log_prompts: bool = False
+    export_interval_s: float = Field(default=5.0, gt=0, le=300)  # OTLP batches and metric pushes
 
 
 class ServiceConfig(_Strict):

@@ -2,23 +2,31 @@
 registrations). Replicas ask it for verdicts; the ingress for registrations.
 
 Methods return plain values or `{"error": ..., "status": ...}` dicts rather than raising, so a
-refusal crosses the deployment handle with its status intact.
+refusal crosses the deployment handle with its status intact. A verdict call carries the caller's
+trace context (`trace`) and answers inside a `structserve.grammar.verdict` span.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+from opentelemetry.trace import Status, StatusCode
+
 from deployments.config import ServiceConfig
+from deployments.telemetry_hub import setup
 from grammar_registry.cache import Verdict
 from grammar_registry.specs import GrammarSpec
 from grammar_registry.tenants import RegistrationError
-from services import settings
+from services import settings, telemetry
 from services.compiler import CompilerConfig, CompileService
 from services.compiler.specs import to_spec
 from services.engine.grammar.backend import GrammarError
 from services.engine.params import StructuredOutput
+from services.telemetry import spans
+
+log = logging.getLogger(__name__)
 
 REMOTE_TIMEOUT_S = 180.0  # above queue wait + deadline of a compile, below a client's patience
 
@@ -54,8 +62,9 @@ def grammar_backend(config: ServiceConfig) -> Any:
 
 
 class GrammarService:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], hub: Any | None = None) -> None:
         cfg = ServiceConfig.model_validate(config)
+        self.tel = setup(cfg, "GrammarService", hub)
         g = cfg.grammar
         compiler = CompilerConfig(
             workers=g.workers,
@@ -72,9 +81,20 @@ class GrammarService:
         )
         self.service.pool  # noqa: B018 (start the workers now, not on the first request)
 
-    async def verdict(self, spec_json: str, tenant: str, scope: str, fresh: bool) -> Verdict:
+    async def verdict(
+        self, spec_json: str, tenant: str, scope: str, fresh: bool, trace: Any = None
+    ) -> Verdict:
         spec = GrammarSpec.model_validate_json(spec_json)
-        return await asyncio.to_thread(self.service.verdict, spec, tenant, scope, fresh)
+        attrs = {spans.GRAMMAR_KIND: spec.kind, spans.TENANT: tenant}
+        span = self.tel.tracer.start_span(
+            spans.GRAMMAR_VERDICT, self.tel.extract(trace), attributes=attrs
+        )
+        verdict: Verdict | None = None
+        try:
+            verdict = await asyncio.to_thread(self.service.verdict, spec, tenant, scope, fresh)
+            return verdict
+        finally:
+            _end_verdict_span(span, verdict)
 
     async def resolve(self, tenant: str, grammar_id: str) -> dict[str, Any]:
         try:
@@ -129,6 +149,19 @@ class GrammarService:
         self.service.close()
 
 
+def _end_verdict_span(span: Any, verdict: Verdict | None) -> None:
+    try:
+        if verdict is None:
+            span.set_status(Status(StatusCode.ERROR, "the verdict call failed"))
+        else:
+            span.set_attribute(spans.CACHE_LEVEL, verdict.source)
+            span.set_attribute(spans.GRAMMAR_OUTCOME, "ok" if verdict.ok else verdict.reason)
+            span.set_attribute(spans.COMPILE_SECONDS, verdict.compile_s)
+        span.end()
+    except Exception:  # telemetry never fails a verdict
+        log.debug("telemetry: ending a verdict span failed", exc_info=True)
+
+
 class RemoteVerdicts:
     """The replica's view of `GrammarService`: a `VerdictSource` over a deployment handle.
 
@@ -147,7 +180,8 @@ class RemoteVerdicts:
     def verdict(
         self, spec: GrammarSpec, tenant: str = "default", scope: str = "shared", fresh: bool = False
     ) -> Verdict:
-        call = self.handle.verdict.remote(spec.model_dump_json(), tenant, scope, fresh)
+        carrier = telemetry.get().inject()  # the replica's grammar span: the service's parent
+        call = self.handle.verdict.remote(spec.model_dump_json(), tenant, scope, fresh, carrier)
         result: Verdict = call.result(timeout_s=REMOTE_TIMEOUT_S)
         return result
 

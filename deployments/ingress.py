@@ -2,18 +2,17 @@
 
 Each request: authenticate (API key → tenant), admit (tenant rate and concurrency), validate the
 body, then stream from an `LLMReplica` through its handle. Errors use the OpenAI error shape; no
-input a client can send produces a 500 or a hang.
+input a client can send produces a 500 or a hang. Each completion is one server span, one count
+and one JSON log line (deployments/observe.py); `/metrics` sums every replica's metrics.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time
 # (after Ray Serve rewrites them), and `request: Request` must be a class, not a string.
 
 import asyncio
-import json
+import functools
 import logging
 import time
-from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,60 +21,32 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from deployments.answers import ApiError, cancel, collect, error_response, sse
 from deployments.config import ServiceConfig
+from deployments.observe import RequestObs, observe
 from deployments.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormat,
     StructuredOutputs,
-    error_body,
     new_id,
-    now,
     sampling_from,
     structured_from,
 )
+from deployments.telemetry_hub import pusher, setup
 from deployments.tenants import AuthError, LimitError, Tenants
+from services import telemetry
+from services.telemetry.snapshot import render
 
 log = logging.getLogger(__name__)
 
 app = FastAPI(title="structserve", docs_url=None, redoc_url=None)
 
 
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.param, self.retry_after = status, param, retry_after
-
-
-_KINDS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-}
-
-
-def _error_response(err: ApiError) -> JSONResponse:
-    headers = {}
-    if err.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(err.retry_after)))
-    body = error_body(str(err), _KINDS.get(err.status, "server_error"), err.param)
-    return JSONResponse(body, status_code=err.status, headers=headers)
-
-
 @app.exception_handler(ApiError)
 async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
-    return _error_response(err)
+    return error_response(err)
 
 
 @app.exception_handler(RequestValidationError)
@@ -84,7 +55,7 @@ async def _validation_error(_request: Request, err: RequestValidationError) -> J
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return _error_response(ApiError(400, message, param))
+    return error_response(ApiError(400, message, param))
 
 
 class GrammarRegistration(BaseModel):
@@ -96,18 +67,9 @@ class GrammarRegistration(BaseModel):
     fidelity: str = Field(default="warn", pattern="^(warn|strict)$")
 
 
-def _cancel(streams: list[Any]) -> None:
-    """Cancels replica streams still running (finished ones ignore it)."""
-    for s in streams:
-        try:
-            s.cancel()
-        except Exception:  # already finished or its replica is gone: nothing left to stop
-            log.debug("stream cancel failed", exc_info=True)
-
-
 def _raise_for(out: Any) -> None:
     if isinstance(out, dict) and "error" in out:
-        raise ApiError(int(out["status"]), out["error"])
+        raise ApiError(int(out["status"]), out["error"], reason="grammar_busy")
 
 
 def _grammar_view(reg: dict[str, Any], spec: bool = False) -> dict[str, Any]:
@@ -131,15 +93,21 @@ class Ingress:
     """Route handlers; Ray Serve binds it with the replica and grammar-service handles."""
 
     def __init__(
-        self, config: dict[str, Any], llm: Any, grammar: Any, default_key: str | None = None
+        self,
+        config: dict[str, Any],
+        llm: Any,
+        grammar: Any,
+        default_key: str | None = None,
+        hub: Any | None = None,
     ) -> None:
         from deployments.grammar_service import redis_client
 
         self.config = ServiceConfig.model_validate(config)
+        setup(self.config, "Ingress", hub)
         self.llm = llm
         self.grammar = grammar
+        self.hub = hub
         self.tenants = Tenants(self.config, default_key, redis_client(self.config.redis_url))
-        self.counts: Counter[tuple[str, str, int]] = Counter()  # (route, tenant, status)
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -172,8 +140,7 @@ class Ingress:
         try:
             self.tenants.admit(tenant, slots)
         except LimitError as exc:
-            self.counts[(f"limit:{exc.reason}", tenant, 429)] += 1
-            raise ApiError(429, str(exc), retry_after=exc.retry_after) from exc
+            raise ApiError(429, str(exc), retry_after=exc.retry_after, reason=exc.reason) from exc
 
     def _params(self, tenant: str, body: Any) -> Any:
         lim = self.tenants.limits_of(tenant)
@@ -182,7 +149,7 @@ class Ingress:
         except BadRequest as exc:
             raise ApiError(400, str(exc), exc.param) from exc
 
-    def _stream(self, tenant: str, body: Any, params: Any, index: int, rid: str) -> Any:
+    def _stream(self, obs: RequestObs, body: Any, params: Any, index: int, rid: str) -> Any:
         from dataclasses import replace
 
         if params.seed is not None and index:
@@ -195,7 +162,7 @@ class Ingress:
             p = body.prompt
             prompt = p[0] if isinstance(p, list) and isinstance(p[0], str) else p
         return self.llm.options(stream=True).generate.remote(
-            prompt, messages, params, tenant, f"{rid}-{index}"
+            prompt, messages, params, obs.tenant, f"{rid}-{index}", obs.carrier
         )
 
     async def _first(self, stream: Any) -> dict[str, Any]:
@@ -205,7 +172,8 @@ class Ingress:
         try:
             first: dict[str, Any] = await stream.__anext__()
         except BackPressureError as exc:
-            raise ApiError(429, "the model replicas are busy; try again", retry_after=1) from exc
+            message = "the model replicas are busy; try again"
+            raise ApiError(429, message, retry_after=1, reason="replica_busy") from exc
         except StopAsyncIteration as exc:
             raise ApiError(503, "the replica ended the stream early") from exc
         except Exception as exc:  # the replica died before answering
@@ -214,152 +182,63 @@ class Ingress:
         if first["finish_reason"] == "error" and not first["completion_tokens"]:
             message = first["warnings"][-1] if first["warnings"] else "request refused"
             status = first["error_status"] or 400
-            raise ApiError(status, message, message.split(":")[0])
+            raise ApiError(status, message, message.split(":")[0], reason="grammar_busy")
         return first
 
     # -- completions ---------------------------------------------------------------------
 
     async def complete(self, request: Request, chat: bool) -> Response:
-        tenant = await self._tenant(request)
+        obs = observe("chat" if chat else "completions", request.headers)
+        try:
+            response = await self._complete(request, chat, obs)
+        except BaseException as err:  # incl. a client gone before the answer
+            obs.finish(err.status if isinstance(err, ApiError) else 499, err)
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream finishes with its last event
+            obs.finish(200)
+        return response
+
+    async def _complete(self, request: Request, chat: bool, obs: RequestObs) -> Response:
+        tenant = obs.tenant = await self._tenant(request)
         body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
         params = self._params(tenant, body)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        obs.describe(body, params, rid, self.config.served_model_name)
         self._admit(tenant, body.n)
-        route = "chat" if chat else "completions"
         streams: list[Any] = []
         try:
-            rid = new_id("chatcmpl" if chat else "cmpl")
-            streams = [self._stream(tenant, body, params, i, rid) for i in range(body.n)]
+            streams = [self._stream(obs, body, params, i, rid) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
-        except BaseException as err:  # incl. a client gone before the first token
-            _cancel(streams)
+        except BaseException:  # incl. a client gone before the first token
+            cancel(streams)
             self.tenants.release(tenant, body.n)
-            status = err.status if isinstance(err, ApiError) else 499
-            self.counts[(route, tenant, status)] += 1
             raise
-        self.counts[(route, tenant, 200)] += 1
         if body.stream:
-            events = self._sse(tenant, body, rid, chat, streams, firsts)
+            release = functools.partial(self.tenants.release, tenant, body.n)
+            events = sse(obs, body, rid, chat, streams, firsts, release)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await self._collect(body, rid, chat, streams, firsts))
+            return JSONResponse(await collect(obs, body, rid, chat, streams, firsts))
         except BaseException:
-            _cancel(streams)
+            cancel(streams)
             raise
         finally:
-            self.tenants.release(tenant, body.n)
-
-    async def _collect(self, body: Any, rid: str, chat: bool, streams: list, firsts: list) -> dict:
-        async def drain(stream: Any, first: dict[str, Any]) -> dict[str, Any]:
-            text, last = first["delta_text"], first
-            while not last["finished"]:
-                last = await stream.__anext__()
-                text += last["delta_text"]
-            return {**last, "text": text}
-
-        try:
-            pairs = zip(streams, firsts, strict=True)
-            results = await asyncio.gather(*(drain(s, f) for s, f in pairs))
-        except Exception as exc:
-            _cancel(streams)
-            raise ApiError(503, "the model replica failed mid-request; try again") from exc
-        choices = []
-        for i, r in enumerate(results):
-            reason = r["finish_reason"] if r["finish_reason"] != "error" else "stop"
-            if chat:
-                message = {"role": "assistant", "content": r["text"]}
-                choices.append({"index": i, "message": message, "finish_reason": reason})
-            else:
-                choices.append({"index": i, "text": r["text"], "finish_reason": reason})
-        prompt = results[0]["prompt_tokens"]
-        completion = sum(r["completion_tokens"] for r in results)
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": now(),
-            "model": body.model,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-            },
-            "structserve": {
-                "validated": [r["validated"] for r in results],
-                "warnings": [r["warnings"] for r in results],
-            },
-        }
-
-    async def _sse(
-        self, tenant: str, body: Any, rid: str, chat: bool, streams: list, firsts: list
-    ) -> AsyncIterator[str]:
-        created = now()
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(index: int, delta: dict[str, Any]) -> str:
-            text, reason = delta["delta_text"], delta["finish_reason"]
-            reason = "stop" if reason == "error" else reason
-            if chat:
-                choice = {"index": index, "delta": {"content": text}, "finish_reason": reason}
-            else:
-                choice = {"index": index, "text": text, "finish_reason": reason}
-            obj = {"id": rid, "object": kind, "created": created, "model": body.model}
-            return "data: " + json.dumps({**obj, "choices": [choice]}) + "\n\n"
-
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
-
-        async def pump(index: int, stream: Any, first: dict[str, Any]) -> None:
-            try:
-                await queue.put((index, first))
-                last = first
-                while not last["finished"]:
-                    last = await stream.__anext__()
-                    await queue.put((index, last))
-            except Exception as exc:  # replica died mid-stream: the client gets an error event
-                await queue.put((index, exc))
-            await queue.put((index, None))
-
-        tasks = [
-            asyncio.create_task(pump(i, s, f))
-            for i, (s, f) in enumerate(zip(streams, firsts, strict=True))
-        ]
-        usage = {"prompt_tokens": firsts[0]["prompt_tokens"], "completion_tokens": 0}
-        try:
-            if chat:
-                for i in range(len(streams)):
-                    role = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                    obj = {"id": rid, "object": kind, "created": created, "model": body.model}
-                    yield "data: " + json.dumps({**obj, "choices": [role]}) + "\n\n"
-            open_streams = len(streams)
-            while open_streams:
-                index, item = await queue.get()
-                if item is None:
-                    open_streams -= 1
-                elif isinstance(item, BaseException):
-                    err = error_body("the model replica failed mid-stream", "server_error")
-                    yield "data: " + json.dumps(err) + "\n\n"
-                else:
-                    if item["finished"]:
-                        usage["completion_tokens"] += item["completion_tokens"]
-                    yield chunk(index, item)
-            if body.stream_options is not None and body.stream_options.include_usage:
-                total = usage["prompt_tokens"] + usage["completion_tokens"]
-                obj = {"id": rid, "object": kind, "created": created, "model": body.model}
-                yield (
-                    "data: "
-                    + json.dumps({**obj, "choices": [], "usage": {**usage, "total_tokens": total}})
-                    + "\n\n"
-                )
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client goes away: stop the replicas' work too
-            for t in tasks:
-                t.cancel()
-            _cancel(streams)
             self.tenants.release(tenant, body.n)
 
     # -- grammars ------------------------------------------------------------------------
 
     async def register_grammar(self, request: Request) -> JSONResponse:
-        tenant = await self._tenant(request)
+        obs = observe("grammars", request.headers)
+        try:
+            response = await self._register_grammar(request, obs)
+        except BaseException as err:
+            obs.finish(err.status if isinstance(err, ApiError) else 499, err)
+            raise
+        obs.finish(201)
+        return response
+
+    async def _register_grammar(self, request: Request, obs: RequestObs) -> JSONResponse:
+        tenant = obs.tenant = await self._tenant(request)
         body = await self._body(request, GrammarRegistration)
         try:
             structured = structured_from(body)
@@ -426,14 +305,23 @@ class Ingress:
         return JSONResponse({"status": status, "redis": grammar["redis"]})
 
     async def metrics(self) -> PlainTextResponse:
-        lines = [
-            "# HELP structserve_requests_total HTTP requests by route, tenant and status.",
-            "# TYPE structserve_requests_total counter",
-        ]
-        for (route, tenant, status), n in sorted(self.counts.items()):
-            labels = f'route="{route}",tenant="{tenant}",status="{status}"'
-            lines.append(f"structserve_requests_total{{{labels}}} {n}")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        """Every replica's metrics, summed by the hub (this replica's pushed first, so what it
+        just counted is in); the hub unreachable: this replica's alone."""
+        kind = "text/plain; version=0.0.4; charset=utf-8"
+        tel = telemetry.get()
+        if not tel.enabled:
+            return PlainTextResponse("# telemetry is disabled\n", media_type=kind)
+        own = tel.snapshot()
+        push = pusher()
+        try:
+            if self.hub is None or push is None:
+                raise LookupError("no telemetry hub")
+            await asyncio.wait_for(self.hub.push.remote(push.source, "Ingress", own), timeout=5)
+            text = await asyncio.wait_for(self.hub.render.remote(), timeout=5)
+        except Exception as exc:
+            log.warning("metrics: the telemetry hub did not answer (%s); this replica only", exc)
+            text = render(own)
+        return PlainTextResponse(text, media_type=kind)
 
     # -- routes (Ray Serve's `serve.ingress(app)` binds them to this class) ----------------
 

@@ -3,19 +3,33 @@ through the deployment handle.
 
 Grammars come from `GrammarService` when a handle is given (verdicts over the handle, compiled
 grammars loaded here and kept in an LRU), else from an in-process compile service.
+
+Each sequence is a `structserve.generate` span under the caller's trace context (the `trace`
+carrier); the engine admits it inside that span, so its grammar resolution joins the trace, and
+its queue / prefill / decode spans and TTFT / TPOT are recorded when it finishes
+(services/engine/stats.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import Status, StatusCode
+
 from deployments.config import ServiceConfig
+from deployments.telemetry_hub import setup
 from services.engine.async_llm import AsyncLLM
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.params import RequestOutput, SamplingParams
+from services.engine.stats import EngineStats
+from services.telemetry import spans
+
+log = logging.getLogger(__name__)
 
 
 def delta_dict(out: RequestOutput) -> dict[str, Any]:
@@ -34,9 +48,13 @@ def delta_dict(out: RequestOutput) -> dict[str, Any]:
 
 
 class LLMReplica:
-    def __init__(self, config: dict[str, Any], grammar_handle: Any | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any], grammar_handle: Any | None = None, hub: Any | None = None
+    ) -> None:
         cfg = ServiceConfig.model_validate(config)
+        self.tel = setup(cfg, "LLMReplica", hub)
         self.engine = LLMEngine(EngineConfig(model=cfg.model, **cfg.llm.engine))
+        self.stats = EngineStats(self.engine, self.tel)
         if grammar_handle is not None:
             from deployments.grammar_service import RemoteVerdicts
             from services.compiler import ServiceGrammarProvider
@@ -54,24 +72,72 @@ class LLMReplica:
         params: SamplingParams,
         tenant: str,
         request_id: str,
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         if messages is not None:
             prompt_ids: str | list[int] = self.engine.apply_chat_template(messages)
         else:
             assert prompt is not None  # the ingress sends one of the two
             prompt_ids = prompt
-        stream = self.llm.add_request(prompt_ids, params, request_id, tenant)
+        tel = self.tel
+        attrs: dict[str, Any] = {
+            spans.REQUEST_ID: request_id,
+            spans.TENANT: tenant,
+            spans.REQUEST_MAX_TOKENS: params.max_tokens,
+        }
+        if params.structured is not None:
+            attrs[spans.GRAMMAR_KIND] = params.structured.kind
+        span = tel.tracer.start_span(spans.GENERATE, tel.extract(trace), attributes=attrs)
+        ctx = otel_trace.set_span_in_context(span)
+        token = tel.attach(ctx)  # the engine admits the request (and starts its grammar) in it
+        try:
+            stream = self.llm.add_request(prompt_ids, params, request_id, tenant)
+        finally:
+            tel.detach(token)
+        last: RequestOutput | None = None
         try:
             async for out in stream:
+                last = out
                 yield delta_dict(out)
         except asyncio.CancelledError:  # the client went away: free the slot and the pages
             self.llm.abort(request_id)
             raise
+        finally:
+            self._finished(span, ctx, params, last)
+
+    def _finished(
+        self, span: Any, ctx: Any, params: SamplingParams, out: RequestOutput | None
+    ) -> None:
+        try:
+            self._record(span, ctx, params, out)
+        except Exception:  # telemetry never fails a request
+            log.debug("telemetry: recording a sequence failed", exc_info=True)
+
+    def _record(
+        self, span: Any, ctx: Any, params: SamplingParams, out: RequestOutput | None
+    ) -> None:
+        if out is not None and out.finished:
+            self.stats.finished(out.metrics, params.structured is not None, ctx)
+        if not span.is_recording():
+            return
+        if out is not None:
+            span.set_attribute(spans.USAGE_INPUT_TOKENS, len(out.prompt_token_ids))
+            span.set_attribute(spans.USAGE_OUTPUT_TOKENS, len(out.token_ids))
+            if out.finish_reason is not None:
+                span.set_attribute(spans.RESPONSE_FINISH_REASONS, [out.finish_reason])
+            if out.finish_reason == "error":
+                span.set_status(Status(StatusCode.ERROR, (out.warnings or ["error"])[-1][:200]))
+        if out is None or not out.finished:
+            span.set_attribute(spans.RESPONSE_FINISH_REASONS, ["abort"])
+        span.end()
 
     async def check_health(self) -> None:
         self.llm.check_alive()
 
     def __del__(self) -> None:
+        stats = getattr(self, "stats", None)
+        if stats is not None:
+            stats.close()
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()

@@ -36,9 +36,12 @@ class Verdict:
     mask_ms: float = 0.0  # p50 of the probe's masks
     blob_bytes: int = 0
     blob: bytes | None = None
+    # where this answer came from (telemetry's cache level: recent, redis, compiled, rejected);
+    # per lookup, so never stored
+    source: str = ""
 
     def encode(self) -> bytes:
-        header = {k: v for k, v in asdict(self).items() if k != "blob"}
+        header = {k: v for k, v in asdict(self).items() if k not in ("blob", "source")}
         head = json.dumps(header).encode()
         return _MAGIC + len(head).to_bytes(4, "big") + head + (self.blob or b"")
 

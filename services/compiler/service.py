@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from concurrent.futures import Future
+from dataclasses import replace
 from importlib.metadata import version
 from typing import Any
 
@@ -27,6 +29,7 @@ from grammar_registry.tenants import (
     RegistrationError,
     RegistrationStore,
 )
+from services import telemetry
 from services.compiler.pool import WorkerPool
 from services.engine.grammar.backend import GrammarError
 
@@ -133,19 +136,21 @@ class CompileService:
         self, spec: GrammarSpec, tenant: str = "default", scope: str = "shared", fresh: bool = False
     ) -> Verdict:
         """The grammar's verdict (refusals included); `fresh` skips the Redis entry (a blob that
-        would not load) and replaces it."""
+        would not load) and replaces it. `Verdict.source` says which level answered."""
         try:
             check_limits(spec, self.config.limits)
         except LimitExceeded as exc:
-            return Verdict(ok=False, reason="limit", error=str(exc))
+            return _answered(Verdict(ok=False, reason="limit", error=str(exc)), "rejected")
         key = self.key(spec, scope)
         mine = f"{key}:tenant:{tenant}"
         if not fresh:
             for k in (key, mine):
-                cached = self.recent.get(k) or self.verdicts.get(k)
+                level, cached = "recent", self.recent.get(k)
+                if cached is None:
+                    level, cached = "redis", self.verdicts.get(k)
                 if cached is not None:
                     self._remember(k, cached)
-                    return cached
+                    return _answered(cached, level)
         with self._lock:
             running = self._inflight.get(key)
             if running is None:
@@ -157,8 +162,9 @@ class CompileService:
                 owner = True
             else:
                 owner = False
-        if not owner:
-            return running.result()
+        if not owner:  # the same grammar is compiling for another caller: its answer
+            shared = running.result()
+            return shared if shared.reason in _NOT_CACHED else _answered(shared, "compiled")
         try:
             verdict = self._compile(spec)
             if verdict.reason not in _NOT_CACHED:
@@ -166,7 +172,7 @@ class CompileService:
                 self.verdicts.put(where, verdict)
                 self._remember(where, verdict)
             running.set_result(verdict)
-            return verdict
+            return verdict if verdict.reason in _NOT_CACHED else _answered(verdict, "compiled")
         except BaseException as exc:
             running.set_exception(exc)
             raise
@@ -195,7 +201,13 @@ class CompileService:
             "probe_steps": cfg.probe_steps,
             "seed": 0,
         }
+        start = time.perf_counter()
         out = self.pool.run(job, cfg.deadline_s, cfg.queue_wait_s)
+        if out.get("reason") != "busy":  # busy: no compile ran
+            seconds = out.get("compile_s") or time.perf_counter() - start
+            outcome = "ok" if out["ok"] else out["reason"]
+            labels = {"kind": spec.kind, "outcome": outcome, "where": "worker"}
+            telemetry.get().metrics.grammar_compile.record(seconds, labels)
         if not out["ok"]:
             return Verdict(
                 ok=False,
@@ -251,6 +263,13 @@ class CompileService:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+
+
+def _answered(verdict: Verdict, level: str) -> Verdict:
+    """The verdict, marked and counted at the level that answered it (a copy: cached verdicts
+    are shared between callers)."""
+    telemetry.get().metrics.grammar_cache.add(1, {"level": level})
+    return replace(verdict, source=level)
 
 
 def raise_for(verdict: Verdict, kind: str) -> None:

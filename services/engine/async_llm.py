@@ -3,11 +3,15 @@
 The serving layer uses it: `stream = llm.add_request(prompt, params)`, then `async for out in
 stream` yields `RequestOutput`s whose `delta_text`/`delta_token_ids` hold what is new; the last has
 `finished=True`. Leaving the loop early aborts the request and frees its pages.
+
+The engine thread admits each request inside a copy of the caller's `contextvars` context, so
+code on the admission path (a grammar provider starting a trace span) sees the caller's context.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import queue
 import threading
@@ -59,6 +63,7 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     tenant: str = "default"
+    context: contextvars.Context | None = None  # the caller's, for the admission path
 
 
 class AsyncLLM:
@@ -90,7 +95,7 @@ class AsyncLLM:
             self._counter += 1
             request_id = request_id or f"async-{self._counter}"
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._commands.put(_Add(prompt, params, stream, tenant))
+        self._commands.put(_Add(prompt, params, stream, tenant, contextvars.copy_context()))
         return stream
 
     async def generate(
@@ -145,8 +150,12 @@ class AsyncLLM:
                 self._deliver(cmd)
             return
         rid = cmd.stream.request_id
+        add = self.engine.add_request
         try:
-            req = self.engine.add_request(cmd.prompt, cmd.params, rid, cmd.tenant)
+            if cmd.context is not None:
+                req = cmd.context.run(add, cmd.prompt, cmd.params, rid, cmd.tenant)
+            else:
+                req = add(cmd.prompt, cmd.params, rid, cmd.tenant)
         except Exception as exc:  # one bad request fails alone, never the loop
             cmd.stream.put(exc if isinstance(exc, ValueError) else ValueError(repr(exc)))
             return

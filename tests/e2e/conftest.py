@@ -11,13 +11,14 @@ from e2e_support import (
     KEY_B,
     KEY_ONE,
     KEY_SLOW,
+    OtlpReceiver,
     free_port,
     redis_url,
     small_config,
     wait_healthy,
 )
 
-from deployments.config import TenantConfig, TenantLimits
+from deployments.config import GrammarServiceConfig, TelemetryConfig, TenantConfig, TenantLimits
 from deployments.tenants import digest
 
 
@@ -43,7 +44,17 @@ def proxy():
 
 
 @pytest.fixture(scope="session")
-def server(proxy):
+def otlp():
+    """Where the main application sends its spans (OTLP over HTTP)."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def server(proxy, otlp):
+    """The main application: two grammar-service replicas (so `/metrics` must add up several),
+    spans exported to the `otlp` receiver."""
     import redis
 
     from deployments.app import build_app
@@ -52,6 +63,8 @@ def server(proxy):
     redis.Redis.from_url(redis_url(11)).flushdb()
     cfg = small_config(
         redis_url=redis_url(11),
+        grammar=GrammarServiceConfig(workers=1, deadline_s=5.0, num_replicas=2),
+        telemetry=TelemetryConfig(otlp_endpoint=otlp.url, export_interval_s=1.0),
         tenants=[
             TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)]),
             TenantConfig(name="tenant-b", api_key_sha256=[digest(KEY_B)]),

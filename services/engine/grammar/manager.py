@@ -6,6 +6,8 @@ The engine calls this at fixed points of its step and never looks at a grammar i
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
@@ -18,6 +20,8 @@ from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvid
 from services.engine.grammar.xgrammar_backend import XGrammarBackend
 from services.engine.params import FinishReason
 from services.engine.request import Request
+
+log = logging.getLogger(__name__)
 
 
 class GrammarManager:
@@ -45,6 +49,10 @@ class GrammarManager:
         self._masks: MaskFiller | None = None
         self._pending: list[Request] = []
         self._whitespace: dict[int, bool] = {}
+        # read by telemetry (services/engine/stats.py); plain ints, written on the engine thread
+        self.jump_forward_tokens = 0  # put in outputs by jump-forward, never sampled
+        self.forward_passes_saved = 0  # decode steps not run: one per forced token after the first
+        self.on_mask_fill: Callable[[float], None] | None = None
 
     @property
     def backend(self) -> GrammarBackend:
@@ -74,8 +82,18 @@ class GrammarManager:
     @property
     def masks(self) -> MaskFiller:
         if self._masks is None:
-            self._masks = MaskFiller(self.backend, self._max_rows, self._overlap)
+            self._masks = MaskFiller(
+                self.backend, self._max_rows, self._overlap, on_fill=self._mask_filled
+            )
         return self._masks
+
+    def _mask_filled(self, seconds: float) -> None:
+        hook = self.on_mask_fill
+        if hook is not None:
+            try:
+                hook(seconds)
+            except Exception:  # telemetry never stops a step
+                log.debug("mask fill hook failed", exc_info=True)
 
     def attach(self, req: Request) -> None:
         """Starts compiling the request's grammar; the request waits in the queue meanwhile."""
@@ -173,6 +191,8 @@ class GrammarManager:
                 state.accept_token(token)
             return [token]
         req.metrics.num_forced_tokens += len(ids) - 1
+        self.jump_forward_tokens += len(ids) - keep
+        self.forward_passes_saved += len(ids) - 1
         return ids
 
     def _is_whitespace(self, token: int) -> bool:

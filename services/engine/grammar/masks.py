@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,8 +28,15 @@ class PendingMasks:
 
 
 class MaskFiller:
-    def __init__(self, backend: GrammarBackend, max_rows: int, overlap: bool = True) -> None:
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        max_rows: int,
+        overlap: bool = True,
+        on_fill: Callable[[float], None] | None = None,
+    ) -> None:
         self.backend = backend
+        self.on_fill = on_fill  # called with each step's fill time (telemetry)
         self.bitmask = backend.allocate_bitmask(max_rows)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask") if overlap else None
         # recent fill times (steps with constrained rows), bounded: the service runs for days
@@ -46,7 +54,10 @@ class MaskFiller:
         """Rows whose mask restricts something; rows that allow every token are skipped."""
         start = time.perf_counter()
         need = [i for i, state in rows if state.fill_bitmask(self.bitmask, i)]
-        self.fill_seconds.append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.fill_seconds.append(seconds)
+        if self.on_fill is not None:
+            self.on_fill(seconds)
         return need
 
     def apply(self, pending: PendingMasks | None, logits: torch.Tensor) -> None:

@@ -1,0 +1,187 @@
+"""How the ingress answers: the OpenAI error shape, a whole completion, or server-sent events.
+
+`ApiError` carries an HTTP status (and, for a 429, the reason telemetry counts); `collect` and
+`sse` read the replica streams of one request's choices and build the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from deployments.observe import RequestObs
+from deployments.protocol import error_body, now
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        retry_after: float | None = None,
+        reason: str | None = None,  # of a 429: rate, concurrency, replica_busy, grammar_busy
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.retry_after = status, param, retry_after
+        self.reason = reason
+
+
+KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    headers = {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(err.retry_after)))
+    body = error_body(str(err), KINDS.get(err.status, "server_error"), err.param)
+    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+def cancel(streams: list[Any]) -> None:
+    """Cancels replica streams still running (finished ones ignore it)."""
+    for s in streams:
+        try:
+            s.cancel()
+        except Exception:  # already finished or its replica is gone: nothing left to stop
+            log.debug("stream cancel failed", exc_info=True)
+
+
+async def collect(
+    obs: RequestObs, body: Any, rid: str, chat: bool, streams: list, firsts: list
+) -> dict[str, Any]:
+    """The whole answer, once every choice has finished."""
+
+    async def drain(stream: Any, first: dict[str, Any]) -> dict[str, Any]:
+        text, last = first["delta_text"], first
+        while not last["finished"]:
+            last = await stream.__anext__()
+            text += last["delta_text"]
+        return {**last, "text": text}
+
+    try:
+        pairs = zip(streams, firsts, strict=True)
+        results = await asyncio.gather(*(drain(s, f) for s, f in pairs))
+    except Exception as exc:
+        cancel(streams)
+        raise ApiError(503, "the model replica failed mid-request; try again") from exc
+    choices = []
+    for i, r in enumerate(results):
+        obs.add_result(r)
+        reason = r["finish_reason"] if r["finish_reason"] != "error" else "stop"
+        if chat:
+            message = {"role": "assistant", "content": r["text"]}
+            choices.append({"index": i, "message": message, "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": r["text"], "finish_reason": reason})
+    prompt = results[0]["prompt_tokens"]
+    completion = sum(r["completion_tokens"] for r in results)
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": now(),
+        "model": body.model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+        "structserve": {
+            "validated": [r["validated"] for r in results],
+            "warnings": [r["warnings"] for r in results],
+        },
+    }
+
+
+async def sse(
+    obs: RequestObs,
+    body: Any,
+    rid: str,
+    chat: bool,
+    streams: list,
+    firsts: list,
+    release: Callable[[], None],
+) -> AsyncIterator[str]:
+    """Server-sent events as the choices stream in; `release` frees the tenant's slots at the
+    end, also when the client goes away."""
+    created = now()
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index: int, delta: dict[str, Any]) -> str:
+        text, reason = delta["delta_text"], delta["finish_reason"]
+        reason = "stop" if reason == "error" else reason
+        if chat:
+            choice = {"index": index, "delta": {"content": text}, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": text, "finish_reason": reason}
+        obj = {"id": rid, "object": kind, "created": created, "model": body.model}
+        return "data: " + json.dumps({**obj, "choices": [choice]}) + "\n\n"
+
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: Any, first: dict[str, Any]) -> None:
+        try:
+            await queue.put((index, first))
+            last = first
+            while not last["finished"]:
+                last = await stream.__anext__()
+                await queue.put((index, last))
+        except Exception as exc:  # replica died mid-stream: the client gets an error event
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [
+        asyncio.create_task(pump(i, s, f))
+        for i, (s, f) in enumerate(zip(streams, firsts, strict=True))
+    ]
+    usage = {"prompt_tokens": firsts[0]["prompt_tokens"], "completion_tokens": 0}
+    try:
+        if chat:
+            for i in range(len(streams)):
+                role = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                obj = {"id": rid, "object": kind, "created": created, "model": body.model}
+                yield "data: " + json.dumps({**obj, "choices": [role]}) + "\n\n"
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                err = error_body("the model replica failed mid-stream", "server_error")
+                yield "data: " + json.dumps(err) + "\n\n"
+            else:
+                if item["finished"]:
+                    usage["completion_tokens"] += item["completion_tokens"]
+                    obs.add_result(item)
+                yield chunk(index, item)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            total = usage["prompt_tokens"] + usage["completion_tokens"]
+            obj = {"id": rid, "object": kind, "created": created, "model": body.model}
+            yield (
+                "data: "
+                + json.dumps({**obj, "choices": [], "usage": {**usage, "total_tokens": total}})
+                + "\n\n"
+            )
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client goes away: stop the replicas' work too
+        for t in tasks:
+            t.cancel()
+        cancel(streams)
+        release()
+        obs.finish(200)

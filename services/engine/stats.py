@@ -1,0 +1,144 @@
+"""Engine numbers for telemetry, read from outside the engine.
+
+`EngineStats` registers observable sources (queue depth, running batch, KV pages, jump-forward
+counters, the KV host tier) that are read only when a metric reader collects, hooks the mask-fill
+time of each step, and turns a finished request's `RequestMetrics` into the TTFT and TPOT
+histograms and the queue / prefill / decode spans. The engine itself knows nothing of telemetry.
+
+The KV host tier (a later issue) is read as `engine.kv_tier` (or `engine.runner.kv_tier`) with
+cumulative counters `pages_parked`, `pages_recalled`, `bytes_to_host` and `bytes_to_device`;
+until it exists those families report 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from services import telemetry
+from services.engine.params import RequestMetrics
+from services.telemetry import spans
+
+log = logging.getLogger(__name__)
+
+Obs = Iterable[tuple[float, dict[str, str]]]
+
+
+def kv_tier(engine: Any) -> Any | None:
+    runner = getattr(engine, "runner", None)
+    return getattr(engine, "kv_tier", None) or getattr(runner, "kv_tier", None)
+
+
+class EngineStats:
+    def __init__(self, engine: Any, tel: telemetry.Telemetry | None = None) -> None:
+        self.engine = engine
+        self.tel = tel or telemetry.get()
+        fam = self.tel.metrics
+        self._sources = [
+            ("structserve.queue_depth", self._queue_depth),
+            ("structserve.running_requests", self._running),
+            ("structserve.kv.pages_in_use", self._pages_in_use),
+            ("structserve.kv.pages_capacity", self._pages_capacity),
+            ("structserve.jump_forward.tokens", self._jump_tokens),
+            ("structserve.forward_passes_saved", self._passes_saved),
+            ("structserve.kv.pages_parked", self._tier("pages_parked")),
+            ("structserve.kv.pages_recalled", self._tier("pages_recalled")),
+            ("structserve.kv.tier_transfer", self._tier_bytes),
+        ]
+        for name, source in self._sources:
+            fam.observe(name, source)
+        if self.tel.enabled:
+            engine.grammars.on_mask_fill = fam.mask_fill.record
+
+    # -- observable sources (called on the collecting thread: reads only) --------------------
+
+    def _queue_depth(self) -> Obs:
+        return [(len(self.engine.scheduler.waiting), {})]
+
+    def _running(self) -> Obs:
+        return [(len(self.engine.scheduler.running), {})]
+
+    def _pages_in_use(self) -> Obs:
+        return [(self.engine.runner.kv.allocator.num_used, {})]
+
+    def _pages_capacity(self) -> Obs:
+        return [(self.engine.runner.kv.allocator.num_pages, {})]
+
+    def _jump_tokens(self) -> Obs:
+        return [(getattr(self.engine.grammars, "jump_forward_tokens", 0), {})]
+
+    def _passes_saved(self) -> Obs:
+        return [(getattr(self.engine.grammars, "forward_passes_saved", 0), {})]
+
+    def _tier(self, field: str) -> Any:
+        def source() -> Obs:
+            return [(getattr(kv_tier(self.engine), field, 0) or 0, {})]
+
+        return source
+
+    def _tier_bytes(self) -> Obs:
+        tier = kv_tier(self.engine)
+        return [
+            (getattr(tier, "bytes_to_host", 0) or 0, {"direction": "to_host"}),
+            (getattr(tier, "bytes_to_device", 0) or 0, {"direction": "to_device"}),
+        ]
+
+    # -- per request -------------------------------------------------------------------------
+
+    def finished(self, m: RequestMetrics, constrained: bool, parent: Context | None) -> None:
+        """Records a finished request: TTFT and TPOT, and its queue / prefill / decode spans as
+        children of `parent` (the replica's generate span). Never raises."""
+        try:
+            self._record(m, constrained)
+            if parent is not None:
+                self._spans(m, parent)
+        except Exception:
+            log.debug("telemetry: recording a finished request failed", exc_info=True)
+
+    def _record(self, m: RequestMetrics, constrained: bool) -> None:
+        attrs = {"constrained": "true" if constrained else "false"}
+        fam = self.tel.metrics
+        if m.first_token_time is not None:
+            fam.ttft.record(m.first_token_time - m.arrival_time, attrs)
+            if m.finished_time is not None and m.num_output_tokens > 1:
+                decode = m.finished_time - m.first_token_time
+                fam.tpot.record(decode / (m.num_output_tokens - 1), attrs)
+
+    def _spans(self, m: RequestMetrics, parent: Context) -> None:
+        if not trace.get_current_span(parent).is_recording():
+            return  # not sampled: no spans to build
+        end = m.finished_time
+        phases = [
+            (spans.QUEUE, m.arrival_time, m.first_scheduled_time, {}),
+            (
+                spans.PREFILL,
+                m.first_scheduled_time,
+                m.first_token_time,
+                {spans.TOKENS: m.num_prompt_tokens, spans.PREEMPTIONS: m.num_preemptions},
+            ),
+            (
+                spans.DECODE,
+                m.first_token_time,
+                end,
+                {spans.TOKENS: m.num_output_tokens, spans.FORCED_TOKENS: m.num_forced_tokens},
+            ),
+        ]
+        offset = telemetry.clock_offset_ns()
+        for name, start, stop, attrs in phases:
+            if start is None or stop is None:
+                continue
+            begin = offset + int(start * 1e9)
+            span = self.tel.tracer.start_span(
+                name, context=parent, start_time=begin, attributes=attrs
+            )
+            span.end(end_time=offset + int(stop * 1e9))
+
+    def close(self) -> None:
+        for _, source in self._sources:
+            self.tel.metrics.forget(source)
+        if getattr(self.engine.grammars, "on_mask_fill", None) is not None:
+            self.engine.grammars.on_mask_fill = None
