@@ -1,0 +1,233 @@
+"""The KV host tier's page store: bit-exact round trips, ownership, caps and counters (CPU)."""
+
+import pickle
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvcache.pages import KVLayout, PagedKVCache
+from services.kv_tier import HostPageStore, HostSlotError, HostTierFull
+
+CPU = torch.device("cpu")
+A1, A2, B1 = ("a", "r1"), ("a", "r2"), ("b", "r1")  # B1 reuses A1's request id in tenant b
+
+
+def layout(dtype: torch.dtype = torch.float32) -> KVLayout:
+    return KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, dtype=dtype)
+
+
+def pool(lay: KVLayout, num_pages: int = 12, seed: int = 0) -> PagedKVCache:
+    kv = PagedKVCache(lay, num_pages, CPU)
+    gen = torch.Generator().manual_seed(seed)
+    kv.keys.copy_(torch.randn(kv.keys.shape, generator=gen).to(lay.dtype))
+    kv.values.copy_(torch.randn(kv.values.shape, generator=gen).to(lay.dtype))
+    return kv
+
+
+def page(kv: PagedKVCache, p: int, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of device page `p`, `[L, KVH, ps, D]` (or one layer), as copies."""
+    ps, sel = kv.page_size, slice(None) if layer is None else layer
+    window = slice(p * ps, (p + 1) * ps)
+    return kv.keys[sel, :, window].clone(), kv.values[sel, :, window].clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_all_layers_into_other_pages_is_bit_exact(dtype):
+    lay = layout(dtype)
+    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+    src, dst = [1, 5, 2, 9], [11, 3, 7, 0]
+    originals = [page(kv, p) for p in src]
+    slots = store.park(kv, src, A1)
+    kv.keys.zero_()  # nothing may come back from the device pool itself
+    kv.values.zero_()
+    store.recall(kv, slots, dst, A1).wait()
+    for (k, v), p in zip(originals, dst, strict=True):
+        back_k, back_v = page(kv, p)
+        assert torch.equal(back_k, k) and torch.equal(back_v, v)
+    assert not torch.count_nonzero(kv.keys[:, :, 4:8])  # page 1: not a destination
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_layer_recall_touches_only_that_layer(dtype):
+    lay = layout(dtype)
+    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+    src, dst = [4, 6], [10, 8]
+    originals = {p: page(kv, p) for p in src}
+    slots = store.park(kv, src, A1)
+    before = {p: page(kv, p) for p in dst}
+    store.recall(kv, slots, dst, A1, layers=range(1, 2))
+    for s, d in zip(src, dst, strict=True):
+        k, v = page(kv, d)
+        assert torch.equal(k[1], originals[s][0][1]) and torch.equal(v[1], originals[s][1][1])
+        for other in (0, 2):
+            assert torch.equal(k[other], before[d][0][other])
+            assert torch.equal(v[other], before[d][1][other])
+
+
+def test_recall_order_follows_the_slot_list():
+    lay = layout()
+    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+    slots = store.park(kv, [2, 3], A1)
+    want = page(kv, 3)
+    store.recall(kv, slots[::-1], [5, 6], A1)  # slot of page 3 into page 5
+    assert torch.equal(page(kv, 5)[0], want[0]) and torch.equal(page(kv, 5)[1], want[1])
+
+
+class CountCalls(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_copies_are_batched_not_per_page():
+    lay = layout()
+    calls = []
+    for n in (1, 7):
+        kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+        with CountCalls() as park_ops:
+            slots = store.park(kv, list(range(n)), A1)
+        with CountCalls() as recall_ops:
+            store.recall(kv, slots, list(range(4, 4 + n)), A1)
+        calls.append((park_ops.calls, recall_ops.calls))
+    assert calls[0] == calls[1]  # the same torch calls for 1 page as for 7
+
+
+def test_double_free_and_foreign_slots_raise():
+    lay = layout()
+    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+    mine = store.park(kv, [1, 2], A1)
+    theirs = store.park(kv, [3], B1)
+    for intruder in (A2, B1):  # same tenant other request; other tenant same request id
+        with pytest.raises(HostSlotError, match="held by another owner") as err:
+            store.recall(kv, mine, [5, 6], intruder)
+        assert repr(A1) not in str(err.value)  # the holder is never named
+        with pytest.raises(HostSlotError):
+            store.free(intruder, mine[:1])
+    with pytest.raises(HostSlotError):
+        store.free(A1, [mine[0], theirs[0]])  # all-or-nothing: mine[0] stays held
+    assert store.owner_pages(A1) == 2
+    store.free(A1, mine[:1])
+    with pytest.raises(HostSlotError, match="free"):
+        store.free(A1, mine[:1])
+    with pytest.raises(HostSlotError, match="repeated"):
+        store.free(A1, [mine[1], mine[1]])
+    with pytest.raises(HostSlotError, match="out of range"):
+        store.recall(kv, [99], [5], A1)
+
+
+def test_release_returns_everything_and_counts_reach_zero():
+    lay = layout()
+    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+    store.reserve(A1, 5)
+    store.park(kv, [1, 2, 3], A1)
+    store.park(kv, [4], A2)
+    assert store.tenant_pages("a") == 6 and store.pages_in_use == 4
+    assert store.release(A1) == 3
+    assert store.owner_pages(A1) == 0 and store.tenant_pages("a") == 1
+    assert store.release(A2) == 1 and store.release(A2) == 0
+    assert store.pages_in_use == 0 and store.host_bytes_in_use == 0
+    assert store.tenant_pages("a") == 0 and store.can_allocate("a", 8)
+
+
+def test_tenant_cap_and_capacity_raise_with_the_numbers():
+    lay = layout()
+    kv = pool(lay)
+    store = HostPageStore(lay, 6, CPU, tenant_caps={"a": 3}, default_tenant_cap=5)
+    store.park(kv, [1, 2], A1)
+    assert store.can_allocate("a", 1) and not store.can_allocate("a", 2)
+    with pytest.raises(HostTierFull) as err:
+        store.park(kv, [3, 4], A2)
+    e = err.value
+    assert (e.tenant, e.asked, e.held, e.cap, e.scope) == ("a", 2, 2, 3, "tenant cap")
+    assert "'a'" in str(e) and "2 held of 3" in str(e)
+    assert store.owner_pages(A2) == 0  # nothing half-parked
+    copy = pickle.loads(pickle.dumps(e))
+    assert (copy.asked, copy.cap, str(copy)) == (2, 3, str(e))
+    # tenant b: its default cap of 5 allows 4, but only 4 slots are left
+    assert store.can_allocate("b", 4) and not store.can_allocate("b", 5)
+    store.park(kv, [3, 4, 5, 6], B1)
+    with pytest.raises(HostTierFull) as err:
+        store.allocate(("c", "x"), 1)
+    e = err.value
+    assert (e.tenant, e.asked, e.held, e.cap, e.scope) == ("c", 1, 6, 6, "capacity")
+    assert not store.can_allocate("c", 1)
+    store.release(B1)
+    assert store.can_allocate("c", 4) and store.can_allocate("a", 1)
+
+
+def test_reservation_is_held_for_its_owner():
+    lay = layout()
+    store = HostPageStore(lay, 4, CPU, default_tenant_cap=3)
+    store.reserve(A1, 3)
+    assert not store.can_allocate("a", 1) and not store.can_allocate("b", 2)
+    with pytest.raises(HostTierFull, match="tenant cap"):
+        store.reserve(A2, 1)
+    assert len(store.allocate(A1, 3)) == 3  # drawn from the reservation: no new headroom needed
+    with pytest.raises(HostTierFull):
+        store.allocate(A1, 1)
+    assert store.tenant_pages("a") == 3 and store.can_allocate("b", 1)
+
+
+def test_counters_follow_page_arithmetic():
+    lay = layout()
+    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+    assert store.recall_latency_ms(50) is None and store.hit_rate is None
+    slots = store.park(kv, [1, 2, 3], A1)
+    assert store.pages_parked == 3 and store.bytes_to_host == 3 * lay.bytes_per_page
+    assert store.host_bytes_in_use == 3 * lay.bytes_per_page
+    store.recall(kv, slots, [4, 5, 6], A1)
+    for layer in range(lay.num_layers):  # per-layer recalls add up to one full recall
+        store.recall(kv, slots[:2], [7, 8], A1, layers=range(layer, layer + 1))
+    assert store.pages_recalled == 3 + 2
+    assert store.bytes_to_device == 5 * lay.bytes_per_page
+    p50, p99 = store.recall_latency_ms(50), store.recall_latency_ms(99)
+    assert p50 is not None and p99 is not None and 0 <= p50 <= p99
+    store.record_hits(6, 2)
+    store.record_hits(0, 2)
+    assert store.hit_rate == pytest.approx(0.6)
+
+
+def test_bad_arguments_are_refused():
+    lay = layout()
+    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+    slots = store.park(kv, [1, 2], A1)
+    with pytest.raises(ValueError, match="host slots for"):
+        store.recall(kv, slots, [3], A1)
+    with pytest.raises(ValueError, match="repeated"):
+        store.recall(kv, slots, [3, 3], A1)
+    for layers in (range(0), range(2, 4), range(2, 0, -1)):
+        with pytest.raises(ValueError, match="layers"):
+            store.recall(kv, slots, [3, 4], A1, layers=layers)
+    with pytest.raises(ValueError, match="out of range"):
+        store.park(kv, [12], A1)
+    with pytest.raises(ValueError, match="does not match"):
+        store.park(pool(layout(torch.bfloat16)), [1], A1)
+    with pytest.raises(ValueError, match="capacity_pages"):
+        HostPageStore(lay, 0, CPU)
+    with pytest.raises(ValueError, match="'a'"):
+        HostPageStore(lay, 4, CPU, tenant_caps={"a": -1})
+    assert store.pages_in_use == 2  # refusals allocate nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip_through_pinned_staging():
+    lay, dev = layout(torch.bfloat16), torch.device("cuda")
+    kv = PagedKVCache(lay, 64, dev)
+    kv.keys.copy_(torch.randn(kv.keys.shape, device=dev).to(lay.dtype))
+    kv.values.copy_(torch.randn(kv.values.shape, device=dev).to(lay.dtype))
+    store = HostPageStore(lay, 48, dev, staging_pages=4)  # 10 pages: several staging chunks
+    assert store.keys.is_pinned()
+    src, dst = list(range(10)), list(range(40, 50))
+    want = [page(kv, p) for p in src]
+    slots = store.park(kv, src, A1)
+    for layer in range(lay.num_layers):
+        store.recall(kv, slots, dst, A1, layers=range(layer, layer + 1)).wait()
+    for (k, v), p in zip(want, dst, strict=True):
+        assert torch.equal(page(kv, p)[0], k) and torch.equal(page(kv, p)[1], v)
+    torch.cuda.synchronize()
+    assert store.recall_latency_ms(50) is not None
