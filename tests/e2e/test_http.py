@@ -45,6 +45,26 @@ def test_streaming_gives_the_same_text(client):
     assert "".join(parts) == whole
 
 
+def test_kv_policies_over_http(client):
+    """Each policy through the `kv_policy` extension, with a budget below the prompt."""
+    story = "The keeper of the lighthouse wrote in his log every single evening. " * 12
+    for kv in (
+        {"kind": "quest", "budget_tokens": 32},
+        {"kind": "sinks", "window": 28, "rerotate": True},
+        {"kind": "h2o", "budget_tokens": 48},
+        {"kind": "snapkv", "budget_tokens": 48},
+    ):
+        out = client.completions.create(
+            model=MODEL,
+            prompt=story + "\nWho wrote in the log?",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"kv_policy": kv, "ignore_eos": True},
+        )
+        assert out.choices[0].finish_reason == "length", kv
+        assert out.usage.completion_tokens == 6
+
+
 class Person(BaseModel):
     name: str = Field(max_length=12)
     age: int
@@ -217,6 +237,14 @@ def test_concurrency_limit_answers_429_while_a_request_runs(server):
             "structured.json_schema",
         ),
         ({"model": MODEL, "messages": ask("x"), "seed": 2**70}, "seed"),
+        (
+            {
+                "model": MODEL,
+                "messages": ask("x"),
+                "kv_policy": {"kind": "sinks", "n_sink": 9, "window": 1, "budget_tokens": 8},
+            },
+            "kv_policy",
+        ),
     ],
 )
 def test_bad_input_is_a_4xx_naming_the_field(server, body, param):
