@@ -36,6 +36,7 @@ class QuestRead:
     ends: torch.Tensor  # [R] cache entries the query sees (its own included)
     k: int
     dense_layers: int  # layers below this read every page
+    tier: bool = False  # chosen ids may name parked pages: read those from the host tier
 
 
 @dataclass
@@ -47,6 +48,17 @@ class CollectRead:
     q_weight: torch.Tensor  # [R, Q] (or [Q]) 1.0 for the queries whose weights count
     kernel_size: int  # "observe": votes are average-pooled over this many neighbours
     voters: int = 0  # "observe" in a long query: how many trailing queries vote
+
+
+@dataclass
+class HostRead:
+    """Parked pages in a group's page index: read from the host tier, per layer, in one copy."""
+
+    positions: torch.Tensor  # [M] entries of the flattened page index that are parked
+    slots: torch.Tensor  # [M] their host slots (kept on the host: the copy is issued from there)
+
+    def to(self, device: torch.device) -> HostRead:
+        return HostRead(self.positions.to(device, non_blocking=True), self.slots)
 
 
 @dataclass
@@ -69,6 +81,7 @@ class ShortQueries:
     mask: torch.Tensor  # [R, 1, Qmax, Pmax * page_size] bool, True = attend
     quest: QuestRead | None = None
     collect: CollectRead | None = None
+    host: HostRead | None = None
 
 
 @dataclass
@@ -78,6 +91,7 @@ class LongQuery:
     page_index: torch.Tensor | None  # [P] pages to read; None: no cached prefix, attend to itself
     mask: torch.Tensor | None  # [1, 1, n, P * page_size] bool
     collect: CollectRead | None = None
+    host: HostRead | None = None
 
 
 @dataclass
@@ -97,6 +111,8 @@ def _move(obj: Any, device: torch.device) -> Any:
     """A copy of a metadata dataclass with every tensor moved (non-blocking) to `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
+    if isinstance(obj, HostRead):
+        return obj.to(device)
     if isinstance(obj, list):
         return [_move(o, device) for o in obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, PagedKVCache):
@@ -106,7 +122,7 @@ def _move(obj: Any, device: torch.device) -> Any:
 
 
 def _gather(
-    kv: PagedKVCache, layer: int, page_index: torch.Tensor, rows: int
+    kv: PagedKVCache, layer: int, page_index: torch.Tensor, rows: int, host: HostRead | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of `page_index` ([rows * P] pages) as `[rows, KVH, P * ps, D]` views."""
     k_buf, v_buf = kv.workspace(page_index.numel())
@@ -114,6 +130,12 @@ def _gather(
     for cache, buf in ((kv.keys[layer], k_buf), (kv.values[layer], v_buf)):
         paged = cache.view(cache.shape[0], -1, kv.page_size, cache.shape[-1])  # [KVH, NP, ps, D]
         torch.index_select(paged, 1, page_index, out=buf)
+    if host is not None:  # parked pages: one batched copy from the host tier for this layer
+        assert kv.host is not None
+        k_host, v_host = kv.host.read_layer(layer, host.slots)
+        k_buf.index_copy_(1, host.positions, k_host)
+        v_buf.index_copy_(1, host.positions, v_host)
+    for buf in (k_buf, v_buf):
         # [KVH, rows * P, ps, D] -> [rows, KVH, P * ps, D]: a view, tokens stay contiguous
         out.append(buf.view(buf.shape[0], rows, -1, buf.shape[-1]).transpose(0, 1))
     return out[0], out[1]
@@ -158,7 +180,7 @@ def paged_attention_forward(
         ):
             o = _quest_attention(kv, layer, qs, quest, scaling)
         else:  # every page (Quest too when its budget covers every page: the exact twin)
-            ks, vs = _gather(kv, layer, s.page_index, rows)
+            ks, vs = _gather(kv, layer, s.page_index, rows, s.host)
             if s.collect is not None:
                 o = _collecting_attention(kv, layer, qs, ks, vs, s.mask, s.collect, scaling)
             else:
@@ -172,7 +194,7 @@ def paged_attention_forward(
         if lq.page_index is None:
             kl, vl = key[:, :, lq.start : lq.end], value[:, :, lq.start : lq.end]
         else:
-            kl, vl = _gather(kv, layer, lq.page_index, 1)
+            kl, vl = _gather(kv, layer, lq.page_index, 1, lq.host)
         if lq.collect is not None and lq.collect.mode == "accumulate":
             c = lq.collect
             one = CollectRead(c.mode, c.key_slots[None], c.q_weight[None], c.kernel_size)
@@ -252,16 +274,50 @@ def _quest_attention(
     score.scatter_(2, last, float("inf"))  # the page being written is always read
     chosen = score.topk(quest.k, dim=-1).indices.sort(dim=-1).values  # [R, KVH, k] in order
     physical = table.gather(1, chosen.flatten(1)).view(rows, kvh, quest.k)
-    flat = (torch.arange(kvh, device=table.device)[None, :, None] * num_pages + physical).flatten()
-    shape = (rows, kvh, quest.k * ps, dim)
-    keys = kv.keys[layer].view(kvh * num_pages, ps, dim).index_select(0, flat).view(shape)
-    values = kv.values[layer].view(kvh * num_pages, ps, dim).index_select(0, flat).view(shape)
+    if quest.tier:
+        keys, values = _quest_read_tiered(kv, layer, physical)
+    else:
+        heads_first = torch.arange(kvh, device=table.device)[None, :, None] * num_pages
+        flat = (heads_first + physical).flatten()
+        shape = (rows, kvh, quest.k * ps, dim)
+        keys = kv.keys[layer].view(kvh * num_pages, ps, dim).index_select(0, flat).view(shape)
+        values = kv.values[layer].view(kvh * num_pages, ps, dim).index_select(0, flat).view(shape)
     token = chosen[..., None] * ps + torch.arange(ps, device=table.device)  # [R, KVH, k, ps]
     seen = (token < quest.ends[:, None, None, None]).view(rows, kvh, 1, quest.k * ps)
     mask = seen.repeat_interleave(heads // kvh, dim=1)  # [R, H, 1, k * ps]
     return F.scaled_dot_product_attention(
         qs, keys, values, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh
     )
+
+
+def _quest_read_tiered(
+    kv: PagedKVCache, layer: int, physical: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages Quest chose `[R, KVH, k]`, some of them parked: resident ones from the pool, parked
+    ones from the host tier in one copy for this layer. The ids go to the host (on CUDA a sync):
+    the host issues the copy, and the engine's hot set learns what was read."""
+    rows, kvh, k = physical.shape
+    ps, dim, num_pages = kv.page_size, kv.layout.head_dim, kv.num_pages
+    ids = physical.flatten().cpu()
+    kv.tier_reads.update(ids.tolist())
+    head = torch.arange(kvh).repeat_interleave(k).repeat(rows)  # KV head of each chosen id
+    parked = ids >= num_pages
+    resident = torch.where(parked, 0, ids) + head * num_pages
+    out = []
+    for cache in (kv.keys[layer], kv.values[layer]):
+        out.append(cache.view(kvh * num_pages, ps, dim).index_select(0, resident.to(kv.device)))
+    where = parked.nonzero().squeeze(-1)
+    if where.numel():
+        assert kv.host is not None
+        slots = ids[where] - num_pages
+        unique, inverse = slots.unique(return_inverse=True)
+        k_host, v_host = kv.host.read_layer(layer, unique)  # [KVH, u, ps, D]
+        pick = (head[where] * unique.numel() + inverse).to(kv.device)  # this head's copy
+        dst = where.to(kv.device)
+        for buf, block in zip(out, (k_host, v_host), strict=True):
+            buf.index_copy_(0, dst, block.reshape(-1, ps, dim).index_select(0, pick))
+    shape = (rows, kvh, k * ps, dim)
+    return out[0].view(shape), out[1].view(shape)
 
 
 # Explicit attention materialises [H, block, S] weights: queries go in blocks of this many.

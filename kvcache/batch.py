@@ -13,6 +13,7 @@ import torch
 from kvcache.attention import (
     BoundsUpdate,
     CollectRead,
+    HostRead,
     LongQuery,
     PagedBatch,
     QuestRead,
@@ -92,8 +93,20 @@ def group_by_length(
         slack *= 1.5
 
 
+def _host_read(page_index: torch.Tensor, num_pages: int) -> HostRead | None:
+    """Parked pages among `page_index` (ids >= num_pages name host slots): where they sit in the
+    flattened index and which host slots to read. Their entries become page 0, overwritten later."""
+    flat = page_index.view(-1)
+    parked = (flat >= num_pages).nonzero().squeeze(-1)
+    if not parked.numel():
+        return None
+    slots = flat[parked] - num_pages
+    flat[parked] = 0
+    return HostRead(parked, slots)
+
+
 def _short_queries(
-    seqs: list[SeqSlice], offsets: list[int], page_size: int, trash: int
+    seqs: list[SeqSlice], offsets: list[int], page_size: int, trash: int, num_pages: int
 ) -> ShortQueries:
     nq = torch.tensor([s.num_tokens for s in seqs])
     qmax = int(nq.max())
@@ -115,7 +128,12 @@ def _short_queries(
     if plan is not None and plan.quest_pages is not None and plan.quest_pages < pmax:
         ends = torch.tensor([s.end for s in seqs])
         quest = QuestRead(
-            page_index, torch.tensor(npages), ends, plan.quest_pages, plan.dense_layers
+            page_index.clone(),
+            torch.tensor(npages),
+            ends,
+            plan.quest_pages,
+            plan.dense_layers,
+            plan.tier,
         )
     if plan is not None and plan.collect is not None:
         ends = starts + nq
@@ -125,8 +143,9 @@ def _short_queries(
         key_slots = torch.where(key_pos[None, :] < ends[:, None], slots, trash)
         q_weight = _voters(nq, qmax, plan)
         collect = CollectRead(plan.collect, key_slots, q_weight, plan.kernel_size)
+    host = _host_read(page_index, num_pages)
     return ShortQueries(
-        token_index, src_index, dst_index, page_index.flatten(), mask, quest, collect
+        token_index, src_index, dst_index, page_index.flatten(), mask, quest, collect, host
     )
 
 
@@ -139,7 +158,7 @@ def _voters(nq: torch.Tensor, qmax: int, plan: ReadPlan) -> torch.Tensor:
     return voters.float()
 
 
-def _long_query(s: SeqSlice, offset: int, page_size: int, trash: int) -> LongQuery:
+def _long_query(s: SeqSlice, offset: int, page_size: int, trash: int, num_pages: int) -> LongQuery:
     collect = None
     if s.start == 0:
         if s.plan is not None and s.plan.collect is not None:
@@ -156,7 +175,8 @@ def _long_query(s: SeqSlice, offset: int, page_size: int, trash: int) -> LongQue
         slots[: s.end] = _slots(s, 0, s.end, page_size)
         q_weight = _voters(nq, s.num_tokens, s.plan)[0]
         collect = _long_collect(s.plan, slots, q_weight)
-    return LongQuery(offset, offset + s.num_tokens, page_index, mask, collect)
+    host = _host_read(page_index, num_pages)
+    return LongQuery(offset, offset + s.num_tokens, page_index, mask, collect, host)
 
 
 def _long_collect(plan: ReadPlan, slots: torch.Tensor, q_weight: torch.Tensor) -> CollectRead:
@@ -176,7 +196,7 @@ def _plan_key(s: SeqSlice) -> tuple[object, ...]:
     p = s.plan
     if p is None or (p.quest_pages is None and p.collect is None):
         return ("dense",)
-    return (p.quest_pages, p.dense_layers, p.collect, p.observe, p.kernel_size)
+    return (p.quest_pages, p.dense_layers, p.collect, p.observe, p.kernel_size, p.tier)
 
 
 def _bounds_update(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> BoundsUpdate | None:
@@ -218,12 +238,18 @@ def build_paged_batch(
             classes.setdefault(_plan_key(s), []).append(i)
     trash = kv.trash_slot
     short = [
-        _short_queries([seqs[rows[g]] for g in group], [offsets[rows[g]] for g in group], ps, trash)
+        _short_queries(
+            [seqs[rows[g]] for g in group],
+            [offsets[rows[g]] for g in group],
+            ps,
+            trash,
+            kv.num_pages,
+        )
         for rows in classes.values()
         for group in group_by_length([pages_needed(seqs[i].end, ps) for i in rows])
     ]
     long = [
-        _long_query(s, offsets[i], ps, trash)
+        _long_query(s, offsets[i], ps, trash, kv.num_pages)
         for i, s in enumerate(seqs)
         if s.num_tokens > long_threshold
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -93,6 +94,16 @@ class KVLayout:
         return max(1, budget_bytes // self.bytes_per_page)
 
 
+class HostPages(Protocol):
+    """A host tier the attention function reads parked pages from (`services.kv_tier`)."""
+
+    capacity_pages: int
+
+    def read_layer(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[KVH, n, ps, D]` keys and values of host `slots` (a CPU index) on the pool's device."""
+        ...
+
+
 class PagedKVCache:
     """Keys and values of every layer, `[num_layers, kv_heads, num_slots, head_dim]` each.
 
@@ -125,9 +136,24 @@ class PagedKVCache:
         # [layers, KVH, slots + 1] float32 per-token scores (H2O, SnapKV); the last slot is a
         # sink for padded key positions, so a batched scatter never touches a real token's score.
         self.scores = torch.empty(0, device=device)
-        # [layers, KVH, num_pages, D] channel-wise min and max of each page's keys (Quest)
+        # [layers, KVH, num_pages + host pages, D] channel-wise min and max of each page's keys
+        # (Quest). Page ids from `num_pages` on name host slots (`host`): their bounds stay here,
+        # on the device, so selection never waits for the host.
         self.bounds_min = torch.empty(0, dtype=layout.dtype, device=device)
         self.bounds_max = torch.empty(0, dtype=layout.dtype, device=device)
+        self.host: HostPages | None = None
+        self.tier_reads: set[int] = set()  # page ids Quest read for offloaded rows this step
+
+    def attach_host(self, host: HostPages) -> None:
+        """Page id `num_pages + s` now names host slot `s` (a parked page)."""
+        if self.bounds_min.numel():
+            raise RuntimeError("attach the host tier before the first Quest request")
+        self.host = host
+
+    @property
+    def num_ids(self) -> int:
+        """Device pages plus host slots: the ids a page table may hold."""
+        return self.num_pages + (self.host.capacity_pages if self.host is not None else 0)
 
     @property
     def trash_slot(self) -> int:
@@ -142,7 +168,7 @@ class PagedKVCache:
     def ensure_bounds(self) -> None:
         if not self.bounds_min.numel():
             lay = self.layout
-            shape = (lay.num_layers, lay.num_kv_heads, self.num_pages, lay.head_dim)
+            shape = (lay.num_layers, lay.num_kv_heads, self.num_ids, lay.head_dim)
             self.bounds_min = torch.zeros(shape, dtype=lay.dtype, device=self.device)
             self.bounds_max = torch.zeros(shape, dtype=lay.dtype, device=self.device)
 

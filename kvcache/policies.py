@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -46,6 +46,7 @@ class ReadPlan:
     collect: Collect | None = None  # explicit attention, weights summed into the slot scores
     observe: int = 0  # "observe": only the last `observe` queries vote (pooled, overwritten)
     kernel_size: int = 1
+    tier: bool = False  # the row's page table may name parked pages (host tier)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class KVState:
     impl: Policy
     evicted: int = 0  # tokens dropped; cache index = logical index - evicted (before rerotate)
     compactions: int = 0
+    tier: Any = None  # offload: the engine's record of the request's parked and hot pages
 
     def cached(self, computed: int) -> int:
         return computed - self.evicted
@@ -224,7 +226,15 @@ class Quest(Policy):
             quest_pages=max(1, policy.budget // (policy.page_size or 1)) if decode else None,
             dense_layers=policy.dense_layers,
             bounds=True,
+            tier=policy.offload,
         )
+
+    def chunk_limit(
+        self, state: KVState, computed: int, prompt_len: int, page_size: int
+    ) -> int | None:
+        # offloaded prompts go in budget-sized chunks, parked behind as they fill: a prompt
+        # longer than the device pool still runs
+        return max(page_size, state.policy.budget) if state.policy.offload else None
 
 
 POLICIES: dict[str, Policy] = {

@@ -333,6 +333,24 @@ class HostPageStore:
         self._timing.append((start, end))
         return RecallHandle(end, self.device)
 
+    def read_layer(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of host `slots` (a CPU index) for one layer, on the device.
+
+        `[KVH, n, ps, D]` each: what attention reads for pages it selected that are parked and
+        not worth a place in the pool (one batched copy per layer). Ownership was checked when
+        the engine put these slots in the request's page table; this is the hot path."""
+        lay, n = self.layout, int(slots.numel())
+        start = time.perf_counter()
+        out = []
+        for src in (self.keys, self.values):
+            paged = src[layer].unflatten(1, (self.capacity_pages, lay.page_size))
+            block = paged.index_select(1, slots)  # [KVH, n, ps, D] on the host
+            out.append(block.to(self.device, non_blocking=False) if self._cuda else block)
+        self._latency_ms.append((time.perf_counter() - start) * 1e3)
+        self.layer_pages_recalled += n
+        self.bytes_to_device += n * lay.bytes_per_page // lay.num_layers
+        return out[0], out[1]
+
     def _scatter(
         self, kv: PagedKVCache, sel: slice, idx: torch.Tensor, blocks: list[torch.Tensor]
     ) -> None:

@@ -29,6 +29,10 @@ class EngineConfig:
     # (the compile service); 0 compiles in-process with no guard (the plain twin, for tests).
     grammar_workers: int = 1
     grammar_redis_url: str | None = None  # the shared verdict cache; None: in-process only
+    # KV host tier: pages of host memory that `quest` requests with offload=True park into;
+    # 0: no tier (offload is refused). `kv_tier_tenant_pages` caps each tenant's share.
+    kv_tier_pages: int = 0
+    kv_tier_tenant_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -37,6 +41,8 @@ class EngineConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size: must be a power of two, got {self.page_size}")
+        if self.kv_tier_pages < 0:
+            raise ValueError("kv_tier_pages: must be >= 0")
         if self.grammar_workers < 0:
             raise ValueError("grammar_workers: must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -19,11 +19,13 @@ from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.grammar.manager import GrammarManager
 from services.engine.grammar.provider import GrammarProvider
+from services.engine.kv_offload import OffloadManager
 from services.engine.model_runner import ModelRunner
 from services.engine.params import FinishReason, KVPolicy, RequestOutput, SamplingParams
 from services.engine.request import Request
 from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from services.kv_tier import HostPageStore
 from services.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,18 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.kv_tier: HostPageStore | None = None
+        self.offload: OffloadManager | None = None
+        if config.kv_tier_pages:
+            kv = self.runner.kv
+            self.kv_tier = HostPageStore(
+                kv.layout,
+                config.kv_tier_pages,
+                kv.device,
+                default_tenant_cap=config.kv_tier_tenant_pages,
+            )
+            self.offload = OffloadManager(kv, self.kv_tier, self.scheduler)
+            self.scheduler.on_release = self.offload.release
 
     def _eos_token_ids(self) -> frozenset[int]:
         model = self.runner.model
@@ -122,6 +136,14 @@ class LLMEngine:
             req.error_status = 400
             self._finish(req, "error")
             return req
+        if req.kv_state is not None and req.kv_state.policy.offload:
+            assert self.offload is not None  # `_refusal` checked
+            refusal = self.offload.admit(req)
+            if refusal:
+                req.warnings.append(refusal)
+                req.error_status = 429
+                self._finish(req, "error")
+                return req
         if params.structured is not None:
             self.grammars.attach(req)
         self.scheduler.add(req)
@@ -139,7 +161,7 @@ class LLMEngine:
             refusal = self._kv_refusal(req.kv_state.policy)
             if refusal:
                 return refusal
-            limit = self._context_limit(req.kv_state.policy)
+            limit = req.context_limit = self._context_limit(req.kv_state.policy)
         if n + params.max_tokens > limit:
             return (
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -154,8 +176,8 @@ class LLMEngine:
         ps = self.config.page_size
         if kv.page_size is not None and kv.page_size != ps:
             return f"kv.page_size: must equal the engine's page size ({ps}), got {kv.page_size}"
-        if kv.offload:
-            return "kv.offload: the host page tier is not available in this engine build"
+        if kv.offload and self.offload is None:
+            return "kv.offload: this engine has no host page tier (set kv_tier_pages)"
         if kv.rerotate and self.runner.rotate is None:
             return "kv.rerotate: this model has no rotary embedding to re-rotate keys with"
         if kv.bounded and kv.budget + ps > min(self.pool_tokens, self.model_len):
@@ -168,6 +190,12 @@ class LLMEngine:
     def _context_limit(self, kv: KVPolicy) -> int:
         """Bounded policies hold budget + one page, whatever the length; positions still grow,
         except under `rerotate`, where they stay inside the cache (StreamingLLM)."""
+        if kv.offload:  # parked pages live on the host: the pool no longer caps the context
+            assert self.kv_tier is not None
+            tier_tokens = (
+                self.runner.kv.num_pages + self.kv_tier.capacity_pages
+            ) * self.config.page_size
+            return min(self.config.max_model_len or self.model_len, self.model_len, tier_tokens)
         if not kv.bounded:
             return self.max_model_len
         if kv.rerotate:
@@ -227,7 +255,7 @@ class LLMEngine:
             if reason is None and self.config.jump_forward:
                 room = min(
                     req.params.max_tokens - req.num_output_tokens,
-                    self.max_model_len - req.num_tokens,
+                    (req.context_limit or self.max_model_len) - req.num_tokens,
                 )
                 new = self.grammars.jump_forward(req, token, room)
             req.token_ids.extend(new)
@@ -238,7 +266,8 @@ class LLMEngine:
         return sampling
 
     def _apply_kv_policies(self, sched: SchedulerOutput) -> None:
-        """Bounded policies evict after each step that filled their slack; pages go back."""
+        """Bounded policies evict after each step that filled their slack; pages go back.
+        Offloaded requests update their hot set and park their cold pages."""
         ps = self.config.page_size
         for c in sched.chunks:
             req, state = c.request, c.request.kv_state
@@ -246,13 +275,17 @@ class LLMEngine:
                 continue
             if state.impl.should_compact(state, req.num_computed_tokens, req.num_prompt_tokens, ps):
                 self.scheduler.release_pages(req, self.runner.compact(req))
+            if state.tier is not None and self.offload is not None:
+                self.offload.after_step(req)
+        self.runner.kv.tier_reads.clear()
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         if token in req.eos_token_ids or token in (req.params.stop_token_ids or ()):
             return "stop"
         if req.detokenizer.stopped:
             return "stop"
-        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+        limit = req.context_limit or self.max_model_len
+        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= limit:
             return "length"
         return None
 

@@ -94,6 +94,8 @@ class KVPolicy:
     - `quest`: per decode step, the pages whose key bounds promise the most attention, up to the
       budget, plus the last page; the first `dense_layers` layers and prefill read every page.
     `page_size`, when given, must equal the engine's page size (Quest's pages are the pool's).
+    `offload=True` (quest, with a host tier configured) parks the pages not selected recently in
+    host memory; `hot_pages` (default: the budget's pages) stay on the device after a selection.
     """
 
     kind: KVKind = "full"
@@ -106,6 +108,7 @@ class KVPolicy:
     heavy_ratio: float = 0.5
     kernel_size: int = 5
     dense_layers: int = 2
+    hot_pages: int | None = None  # offload: recently selected pages kept on the device
 
     def __post_init__(self) -> None:
         if self.kind not in KV_KINDS:
@@ -124,6 +127,8 @@ class KVPolicy:
             raise ValueError(f"kv.heavy_ratio: must be in [0, 1], got {self.heavy_ratio}")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kv.kernel_size: must be odd and >= 1, got {self.kernel_size}")
+        if self.hot_pages is not None and (self.hot_pages < 0 or not self.offload):
+            raise ValueError("kv.hot_pages: must be >= 0, and only with offload=True")
         if self.dense_layers < 0:
             raise ValueError(f"kv.dense_layers: must be >= 0, got {self.dense_layers}")
         budget = self.budget
@@ -143,6 +148,13 @@ class KVPolicy:
         if self.window is not None and self.kind in ("window", "sinks"):
             return self.window + (self.n_sink if self.kind == "sinks" else 0)
         return DEFAULT_BUDGET_TOKENS
+
+    @property
+    def hot_budget_pages(self) -> int:
+        """Offload: how many recently selected pages stay on the device (default: the budget)."""
+        if self.hot_pages is not None:
+            return self.hot_pages
+        return self.budget // (self.page_size or 16)
 
     @property
     def observe_window(self) -> int:

@@ -42,6 +42,7 @@ class Request:
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
     kv_state: KVState | None = None  # a KV policy other than `full`: what it evicted so far
+    context_limit: int | None = None  # the policy's own limit on tokens (None: the engine's)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

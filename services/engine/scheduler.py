@@ -9,6 +9,7 @@ are freed and it goes back to the head of the queue, to be recomputed later (vLL
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcache.pages import PageAllocator, pages_needed
@@ -51,6 +52,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
         self.config = config
         self.allocator = allocator
+        # called when a request's pages go back (finish, preemption): the host tier frees its own
+        self.on_release: Callable[[Request], None] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -136,8 +139,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
+        self._free_all(req)
         req.num_computed_tokens = 0
         req.prompt_logprobs = None  # recomputed with the prompt
         if req.kv_state is not None:  # recomputed from the first token: nothing evicted yet
@@ -160,7 +162,12 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.pages:
-            self.allocator.free(req.pages)
-            req.pages = []
+        self._free_all(req)
         req.status = RequestStatus.FINISHED
+
+    def _free_all(self, req: Request) -> None:
+        # ids past the pool name parked pages (host tier): `on_release` frees those
+        self.allocator.free([p for p in req.pages if p < self.allocator.num_pages])
+        req.pages = []
+        if self.on_release is not None:
+            self.on_release(req)

@@ -5,9 +5,9 @@ counters, the KV host tier) that are read only when a metric reader collects, ho
 time of each step, and turns a finished request's `RequestMetrics` into the TTFT and TPOT
 histograms and the queue / prefill / decode spans. The engine itself knows nothing of telemetry.
 
-The KV host tier (a later issue) is read as `engine.kv_tier` (or `engine.runner.kv_tier`) with
-cumulative counters `pages_parked`, `pages_recalled`, `bytes_to_host` and `bytes_to_device`;
-until it exists those families report 0.
+The KV host tier is read as `engine.kv_tier` (or `engine.runner.kv_tier`) with
+cumulative counters `pages_parked`, `pages_recalled`, `bytes_to_host`, `bytes_to_device`, `hits`,
+`misses`, the gauge `host_bytes_in_use` and `recall_latency_ms(q)`; without a tier they report 0.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class EngineStats:
             ("structserve.kv.pages_parked", self._tier("pages_parked")),
             ("structserve.kv.pages_recalled", self._tier("pages_recalled")),
             ("structserve.kv.tier_transfer", self._tier_bytes),
+            ("structserve.kv.tier_selections", self._tier_selections),
+            ("structserve.kv.host_bytes_in_use", self._tier("host_bytes_in_use")),
+            ("structserve.kv.recall_latency", self._recall_latency),
         ]
         for name, source in self._sources:
             fam.observe(name, source)
@@ -86,6 +89,24 @@ class EngineStats:
             (getattr(tier, "bytes_to_host", 0) or 0, {"direction": "to_host"}),
             (getattr(tier, "bytes_to_device", 0) or 0, {"direction": "to_device"}),
         ]
+
+    def _tier_selections(self) -> Obs:
+        tier = kv_tier(self.engine)
+        return [
+            (getattr(tier, "hits", 0) or 0, {"result": "hit"}),
+            (getattr(tier, "misses", 0) or 0, {"result": "miss"}),
+        ]
+
+    def _recall_latency(self) -> Obs:
+        tier = kv_tier(self.engine)
+        if tier is None:
+            return []
+        out = []
+        for q in (50, 99):
+            value = tier.recall_latency_ms(q)
+            if value is not None:
+                out.append((value, {"quantile": f"p{q}"}))
+        return out
 
     # -- per request -------------------------------------------------------------------------
 

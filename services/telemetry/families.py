@@ -96,6 +96,20 @@ class Families:
             "By",
             "Bytes moved between the device pool and the host tier, by direction.",
         )
+        self._counter(
+            m,
+            "structserve.kv.tier_selections",
+            "{page}",
+            "Pages Quest selected for offloaded requests, by result: hit (on the device) or miss "
+            "(read from the host tier); the hit rate is hit / (hit + miss).",
+        )
+        self._gauge(m, "structserve.kv.host_bytes_in_use", "By", "Host tier bytes held.")
+        self._gauge(
+            m,
+            "structserve.kv.recall_latency",
+            "ms",
+            "Recent host-tier recall latency per replica, by quantile (p50, p99).",
+        )
         # -- grammars (grammar service and replicas)
         self.grammar_compile = m.create_histogram(
             "structserve.grammar.compile",

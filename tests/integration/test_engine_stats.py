@@ -1,6 +1,6 @@
 """Engine metric families on the real model, read through the SDK's in-memory metric reader: each
 moves when its event happens (requests queued, admitted, finished; masks filled; a forced span
-jumped). The KV host tier does not exist yet: its families report 0 until an engine has one."""
+jumped; pages parked in the KV host tier and read back)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from services import SamplingParams, StructuredOutput
+from services import KVPolicy, SamplingParams, StructuredOutput
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.stats import EngineStats
@@ -18,7 +18,9 @@ from services.telemetry import Telemetry, TelemetrySettings
 
 @pytest.fixture(scope="module")
 def engine(loaded_model):
-    cfg = EngineConfig(kv_cache_memory=32 << 20, jump_forward=True, grammar_workers=0)
+    cfg = EngineConfig(
+        kv_cache_memory=32 << 20, jump_forward=True, grammar_workers=0, kv_tier_pages=64
+    )
     eng = LLMEngine(cfg, loaded=loaded_model)
     yield eng
     eng.grammars.shutdown()
@@ -99,17 +101,23 @@ def test_finished_requests_feed_ttft_and_tpot(engine, observed):
     assert value(r, "structserve.time_per_output_token", constrained="false") == 1
 
 
-def test_kv_tier_families_report_zero_until_a_tier_exists(engine, observed):
+def test_kv_tier_families_follow_parked_and_selected_pages(engine, observed):
     r = observed.reader
     names = ("structserve.kv.pages_parked", "structserve.kv.pages_recalled")
-    assert [value(r, n) for n in names] == [0, 0]
-    assert value(r, "structserve.kv.tier_transfer", direction="to_host") == 0
-    # the attribute names the tier (a later issue) exposes; read without importing it
-    engine.kv_tier = SimpleNamespace(
-        pages_parked=7, pages_recalled=3, bytes_to_host=7 << 16, bytes_to_device=3 << 16
-    )
-    try:
-        assert [value(r, n) for n in names] == [7, 3]
-        assert value(r, "structserve.kv.tier_transfer", direction="to_device") == 3 << 16
-    finally:
-        del engine.kv_tier
+    before = [value(r, n) for n in names]
+    to_host = value(r, "structserve.kv.tier_transfer", direction="to_host")
+    selected = value(r, "structserve.kv.tier_selections")
+    quest = KVPolicy(kind="quest", budget_tokens=32, offload=True, hot_pages=1)
+    story = "The keeper of the lighthouse wrote in his log every single evening. " * 20
+    req = engine.add_request(story, SamplingParams(max_tokens=8, temperature=0, kv=quest))
+    for _ in range(4):  # prompt chunks of the budget's size: cold pages are parked as they fill
+        engine.step()
+    assert value(r, "structserve.kv.host_bytes_in_use") > 0
+    run(engine)
+    assert req.finish_reason in ("stop", "length")
+    parked, recalled = (value(r, n) - b for n, b in zip(names, before, strict=True))
+    assert parked > 0 and recalled > 0
+    assert value(r, "structserve.kv.tier_transfer", direction="to_host") > to_host
+    assert value(r, "structserve.kv.tier_selections") > selected
+    assert value(r, "structserve.kv.recall_latency", quantile="p99") > 0
+    assert value(r, "structserve.kv.host_bytes_in_use") == 0

@@ -109,6 +109,13 @@ def test_bounded_policies_fit_more_long_requests_in_a_small_pool(loaded_model):
     window_peak, window_preemptions = peak_running(KVPolicy(kind="window", budget_tokens=64))
     assert full_peak < 4
     assert window_peak == 4 and window_preemptions == 0
+    # a prompt longer than the whole pool: refused dense, streamed through a bounded policy
+    longer = PROMPT * 8
+    assert len(engine.tokenize(longer)) > engine.pool_tokens
+    dense = small.generate(longer, greedy(24))[0]
+    assert dense.finish_reason == "error"
+    streamed = small.generate(longer, greedy(24, POLICIES["sinks_rerotate"]))[0]
+    assert streamed.finish_reason == "length" and len(streamed.token_ids) == 24
 
 
 def test_rerotating_streams_may_run_past_the_trained_context(llm):
