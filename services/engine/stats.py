@@ -105,7 +105,7 @@ class EngineStats:
         for q in (50, 99):
             value = tier.recall_latency_ms(q)
             if value is not None:
-                out.append((value, {"quantile": f"p{q}"}))
+                out.append((value / 1000, {"quantile": f"p{q}"}))
         return out
 
     # -- per request -------------------------------------------------------------------------

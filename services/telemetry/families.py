@@ -107,7 +107,7 @@ class Families:
         self._gauge(
             m,
             "structserve.kv.recall_latency",
-            "ms",
+            "s",
             "Recent host-tier recall latency per replica, by quantile (p50, p99).",
         )
         # -- grammars (grammar service and replicas)
