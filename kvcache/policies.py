@@ -197,7 +197,9 @@ class SnapKV(_Bounded):
         self, state: KVState, computed: int, prompt_len: int, page_size: int
     ) -> int | None:
         if computed < prompt_len:
-            return None  # the whole prompt is cached until its last queries have voted
+            # the whole prompt is cached until its last queries have voted; the chunk that
+            # votes ends with the prompt (after a preemption the outputs follow it)
+            return prompt_len - computed
         return super().chunk_limit(state, computed, prompt_len, page_size)
 
     def score(
@@ -232,9 +234,16 @@ class Quest(Policy):
     def chunk_limit(
         self, state: KVState, computed: int, prompt_len: int, page_size: int
     ) -> int | None:
-        # offloaded prompts go in budget-sized chunks, parked behind as they fill: a prompt
-        # longer than the device pool still runs
-        return max(page_size, state.policy.budget) if state.policy.offload else None
+        if computed >= prompt_len:
+            # output tokens go one per step, each reading the pages it selects: after a
+            # preemption the recomputed outputs read what they read the first time
+            return 1
+        limit = prompt_len - computed  # a prompt chunk never runs into the outputs
+        if state.policy.offload:
+            # offloaded prompts go in budget-sized chunks, parked behind as they fill: a prompt
+            # longer than the device pool still runs
+            limit = min(limit, max(page_size, state.policy.budget))
+        return limit
 
 
 POLICIES: dict[str, Policy] = {

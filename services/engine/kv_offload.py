@@ -11,7 +11,8 @@ least recently selected. A full page never changes, so its host copy stays valid
 the hot set only frees the device page.
 
 Admission reserves the request's host pages up front (a tenant over its cap is refused there, not
-mid-decode); finishing, cancelling or preempting a request returns every page on both tiers.
+mid-decode); finishing, cancelling or preempting a request returns every page on both tiers (a
+preempted request keeps its reservation: it is recomputed later).
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ class OffloadManager:
     def admit(self, req: Request) -> str | None:
         """Reserves the host pages the request may park; the refusal message when it cannot."""
         assert req.kv_state is not None
-        total = req.num_prompt_tokens + req.params.max_tokens
         try:
-            self.store.reserve(owner(req), pages_needed(total, self.kv.page_size))
+            self.store.reserve(owner(req), self._pages(req))
         except HostTierFull as exc:
             return f"kv.offload: {exc}"
         req.kv_state.tier = TierState()
@@ -64,6 +64,11 @@ class OffloadManager:
         self.store.fence()  # a recall still writing into pages about to be reused
         self.store.release(owner(req))
         state.tier = TierState()
+        if req.finish_reason is None:  # preempted: it runs again, with the same reservation
+            self.store.reserve(owner(req), self._pages(req))
+
+    def _pages(self, req: Request) -> int:
+        return pages_needed(req.num_prompt_tokens + req.params.max_tokens, self.kv.page_size)
 
     @torch.inference_mode()  # the pool and the bounds are inference tensors
     def after_step(self, req: Request) -> None:

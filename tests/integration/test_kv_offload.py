@@ -151,3 +151,16 @@ def test_cancelling_mid_decode_frees_every_page_on_both_tiers(tiered):
 def test_offload_needs_a_host_tier(roomy):
     out = roomy.generate("hello", greedy(KVPolicy(kind="quest", offload=True)))[0]
     assert out.finish_reason == "error" and out.warnings[0].startswith("kv.offload")
+
+
+def test_preempted_offloaded_requests_recompute_to_the_same_tokens(tiered, roomy):
+    engine: LLMEngine = tiered.engine
+    quest = KVPolicy(kind="quest", budget_tokens=96, offload=True, hot_pages=20)
+    ids = prompt(tiered, 600)
+    before = engine.scheduler.num_preemptions
+    # hot sets fill the free pages; the next page a request needs preempts another
+    outs = tiered.generate([ids] * 3, [greedy(quest, 40)] * 3)
+    assert engine.scheduler.num_preemptions > before
+    resident = roomy.generate(ids, greedy(KVPolicy(kind="quest", budget_tokens=96), 40))[0]
+    assert all(o.token_ids == resident.token_ids for o in outs)
+    assert empty(tiered)
