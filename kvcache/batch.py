@@ -97,6 +97,8 @@ def _host_read(page_index: torch.Tensor, num_pages: int) -> HostRead | None:
     """Parked pages among `page_index` (ids >= num_pages name host slots): where they sit in the
     flattened index and which host slots to read. Their entries become page 0, overwritten later."""
     flat = page_index.view(-1)
+    if not flat.numel() or int(flat.max()) < num_pages:  # no host tier, or nothing parked
+        return None
     parked = (flat >= num_pages).nonzero().squeeze(-1)
     if not parked.numel():
         return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
@@ -256,8 +256,6 @@ def new_state(policy: KVPolicy | None, page_size: int) -> KVState | None:
     if policy is None or policy.kind == "full":
         return None
     if policy.page_size is None:  # Quest reads whole pages: record the pool's
-        from dataclasses import replace
-
         policy = replace(policy, page_size=page_size)
     return KVState(policy, POLICIES[policy.kind])
 
