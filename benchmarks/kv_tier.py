@@ -1,13 +1,15 @@
 """The KV host tier: Quest with every page resident vs Quest parking cold pages in host memory.
 
 Same model, same prompts, in one run. The resident engine has a pool large enough for every
-context; the tiered engine's device pool holds only `--device-pages` pages (fewer than any
-context here), the rest of each request living in the host tier. For each context and hot-set
-size (0, 1x and 2x the Quest budget): decode step time relative to all-resident Quest, pages and
-bytes moved per step, the selection hit rate, the most device pages the request held, and whether
-the tokens equal the all-resident ones (greedy). On CPU the "device" pool is host memory too, so
-the ratio is the tier's bookkeeping overhead; `--device cuda` runs the same on a GPU (pinned
-arena, side-stream recalls).
+context; each tiered engine's device pool holds only `--device-pages` pages (fewer than any
+context here), the rest of each request living in the host tier. One tiered engine per hot-set
+size (0, 1x and 2x the Quest budget); the decode steps of all four engines are interleaved, so a
+noisy machine slows them alike. Per context and hot-set size: decode step time relative to
+all-resident Quest, bytes and cells (one layer and KV head of a page) moved per step, the
+selection hit rate, the most device pages the request held, and whether the tokens equal the
+all-resident ones (greedy). On CPU the "device" pool is host memory too, so the ratio is the
+tier's bookkeeping overhead; `--device cuda` runs the same on a GPU (pinned arena, staged copies
+on a side stream).
 
     .venv/bin/python benchmarks/kv_tier.py [--contexts 2048,4096] [--steps 32] [--device cpu|cuda]
 
@@ -35,40 +37,63 @@ from services.models import load_model
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def decode_run(engine: LLMEngine, prompt: list[int], kv: KVPolicy, steps: int) -> dict[str, Any]:
-    """Prefills, then times `steps` decode steps of one request alone."""
-    tier = engine.kv_tier
-    num_pages = engine.runner.kv.num_pages
-    sp = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True, kv=kv)
-    req = engine.add_request(prompt, sp)
-    if req.finished:
-        raise SystemExit(f"refused: {req.warnings}")
-    while req.num_output_tokens < 2:  # prefill and the first decode step
-        engine.step()
-    times: list[float] = []
-    moved = [0.0] * 5  # bytes to device, bytes to host, layer-pages read, hits, misses
-    most_device = 0
-    while not req.finished:
-        before = _tier_counters(tier)
+class Decode:
+    """One request alone in its engine: prefilled, then decoded one timed step at a time."""
+
+    def __init__(self, engine: LLMEngine, prompt: list[int], kv: KVPolicy, steps: int) -> None:
+        self.engine, self.tier = engine, engine.kv_tier
+        sp = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True, kv=kv)
+        self.req = engine.add_request(prompt, sp)
+        if self.req.finished:
+            raise SystemExit(f"refused: {self.req.warnings}")
+        while self.req.num_output_tokens < 2:  # prefill and the first decode step
+            engine.step()
+        self.times: list[float] = []
+        self.moved = [0.0] * 5  # bytes to device, bytes to host, cells read, hits, misses
+        self.most_device = 0
+
+    @property
+    def done(self) -> bool:
+        return self.req.finished
+
+    def step(self) -> None:
+        before = _tier_counters(self.tier)
         t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-        moved = [m + a - b for m, a, b in zip(moved, _tier_counters(tier), before, strict=True)]
-        most_device = max(most_device, sum(1 for p in req.pages if p < num_pages))
-    tokens = req.output_token_ids
-    engine.release(req.request_id)
-    n = len(times)
-    return {
-        "step_ms": 1000 * statistics.median(times),
-        "bytes_per_step": (moved[0] + moved[1]) / n,
-        "layer_pages_per_step": moved[2] / n,
-        "hits": moved[3],
-        "misses": moved[4],
-        "device_pages": most_device,
-        "tokens": tokens,
-        "recall_p50_ms": tier.recall_latency_ms(50) if tier else None,
-        "recall_p99_ms": tier.recall_latency_ms(99) if tier else None,
-    }
+        self.engine.step()
+        self.times.append(time.perf_counter() - t0)
+        after = _tier_counters(self.tier)
+        self.moved = [m + a - b for m, a, b in zip(self.moved, after, before, strict=True)]
+        offload = self.engine.offload
+        if offload is not None:
+            self.most_device = max(self.most_device, offload.device_pages(self.req))
+
+    def result(self) -> dict[str, Any]:
+        tokens = self.req.output_token_ids
+        self.engine.release(self.req.request_id)
+        n, tier = len(self.times), self.tier
+        return {
+            "step_ms": 1000 * statistics.median(self.times),
+            "bytes_per_step": (self.moved[0] + self.moved[1]) / n,
+            "cells_per_step": self.moved[2] / n,
+            "hits": self.moved[3],
+            "misses": self.moved[4],
+            "device_pages": self.most_device,
+            "tokens": tokens,
+            "recall_p50_ms": tier.recall_latency_ms(50) if tier else None,
+            "recall_p99_ms": tier.recall_latency_ms(99) if tier else None,
+        }
+
+
+def offloaded(budget: int, hot_pages: int) -> KVPolicy:
+    return KVPolicy(kind="quest", budget_tokens=budget, offload=True, hot_pages=hot_pages)
+
+
+def interleaved(decodes: list[Decode]) -> None:
+    """Steps the decodes in turn, so every configuration sees the same (noisy) machine."""
+    while not all(d.done for d in decodes):
+        for d in decodes:
+            if not d.done:
+                d.step()
 
 
 def _tier_counters(tier: Any) -> list[float]:
@@ -77,7 +102,7 @@ def _tier_counters(tier: Any) -> list[float]:
     return [
         tier.bytes_to_device,
         tier.bytes_to_host,
-        tier.layer_pages_recalled,
+        tier.cells_recalled,
         tier.hits,
         tier.misses,
     ]
@@ -88,7 +113,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="2048,4096")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--device-pages", type=int, default=64)
+    ap.add_argument(
+        "--device-pages", type=int, default=None, help="default: sinks, recent, 2x budget, slack"
+    )
     args = ap.parse_args()
     RESULTS.mkdir(exist_ok=True)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -96,27 +123,47 @@ def main() -> None:
     loaded = load_model()
     resident = LLM(loaded=loaded, device=args.device, kv_cache_memory=1 << 30, grammar_workers=0)
     layout = resident.engine.runner.kv.layout
-    host_pages = max(contexts) // layout.page_size + 64
-    tiered = LLM(
-        loaded=loaded,
-        device=args.device,
-        kv_cache_memory=args.device_pages * layout.bytes_per_page,
-        kv_tier_pages=host_pages,
-        grammar_workers=0,
-    )
-    essay = resident.engine.tokenize(essays_text())
     ps = layout.page_size
+    host_pages = max(contexts) // ps + 64
+    device_pages = args.device_pages or 1 + RECENT_PAGES + 2 * max(contexts) // 8 // ps + 4
+    assert device_pages * ps < min(contexts), "the device pool alone must not hold a context"
+    mults = (0, 1, 2)
+    tiered = [  # one engine per hot-set size, each with its own device pool and host tier
+        LLM(
+            loaded=loaded,
+            device=args.device,
+            kv_cache_memory=device_pages * layout.bytes_per_page,
+            kv_tier_pages=host_pages,
+            grammar_workers=0,
+        )
+        for _ in mults
+    ]
+    essay = resident.engine.tokenize(essays_text())
     rows: list[dict[str, Any]] = []
     for ctx in contexts:
         budget = ctx // 8
         prompt = essay[:ctx]
-        quest = KVPolicy(kind="quest", budget_tokens=budget)
-        base = decode_run(resident.engine, prompt, quest, args.steps)
-        print(f"ctx {ctx}, budget {budget}: all-resident step {base['step_ms']:.1f} ms", flush=True)
-        for mult in (0, 1, 2):
+        print(f"ctx {ctx}, budget {budget}: prefilling 4 engines", flush=True)
+        base = Decode(
+            resident.engine, prompt, KVPolicy(kind="quest", budget_tokens=budget), args.steps
+        )
+        runs = [
+            Decode(
+                llm.engine,
+                prompt,
+                KVPolicy(
+                    kind="quest", budget_tokens=budget, offload=True, hot_pages=m * budget // ps
+                ),
+                args.steps,
+            )
+            for llm, m in zip(tiered, mults, strict=True)
+        ]
+        interleaved([base, *runs])
+        ref = base.result()
+        print(f"  all-resident step {ref['step_ms']:.1f} ms", flush=True)
+        for mult, decode in zip(mults, runs, strict=True):
             hot = mult * budget // ps
-            kv = KVPolicy(kind="quest", budget_tokens=budget, offload=True, hot_pages=hot)
-            run = decode_run(tiered.engine, prompt, kv, args.steps)
+            run = decode.result()
             hits, misses = run["hits"], run["misses"]
             row = {
                 "context": ctx,
@@ -124,15 +171,15 @@ def main() -> None:
                 "hot_pages": hot,
                 "hot_x_budget": mult,
                 "step_ms": run["step_ms"],
-                "resident_step_ms": base["step_ms"],
-                "step_ratio": run["step_ms"] / base["step_ms"],
+                "resident_step_ms": ref["step_ms"],
+                "step_ratio": run["step_ms"] / ref["step_ms"],
                 "mib_per_step": run["bytes_per_step"] / 2**20,
-                "layer_pages_per_step": run["layer_pages_per_step"],
+                "cells_per_step": run["cells_per_step"],
                 "hit_rate": hits / max(1, hits + misses),
                 "device_pages": run["device_pages"],
                 "device_bound": 1 + RECENT_PAGES + hot + 1,
                 "context_pages": -(-ctx // ps),
-                "same_tokens": run["tokens"] == base["tokens"],
+                "same_tokens": run["tokens"] == ref["tokens"],
                 "recall_p50_ms": run["recall_p50_ms"],
                 "recall_p99_ms": run["recall_p99_ms"],
             }
@@ -151,19 +198,35 @@ def main() -> None:
 
 
 def plot(rows: list[dict[str, Any]]) -> None:
+    """Per context, one bar per hot-set size: step ratio, selection hit rate, MiB moved."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{r['context']}\nhot {r['hot_x_budget']}x" for r in rows]
-    ax.bar(range(len(rows)), [r["step_ratio"] for r in rows], color="tab:blue")
-    ax.axhline(1.2, color="tab:red", ls="--", lw=0.8, label="target 1.2x")
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
-    ax.set_ylabel("decode step time / all-resident")
-    ax.set_title("Quest with the KV host tier")
-    ax.legend()
+    contexts = sorted({r["context"] for r in rows})
+    panels = (
+        ("step_ratio", "step time / all-resident"),
+        ("hit_rate", "selections served on device"),
+        ("mib_per_step", "MiB moved per step"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.5))
+    width = 0.8 / 3
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for j, mult in enumerate((0, 1, 2)):
+            values = [
+                r[key]
+                for c in contexts
+                for r in rows
+                if (r["context"], r["hot_x_budget"]) == (c, mult)
+            ]
+            ax.bar([i + j * width for i in range(len(values))], values, width, label=f"hot {mult}x")
+        ax.set_xticks([i + width for i in range(len(contexts))], [str(c) for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(label, fontsize=10)
+    axes[0].axhline(1.2, color="tab:red", ls="--", lw=0.8, label="target 1.2x")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Quest with the KV host tier (budget 1/8 of the context)")
     fig.tight_layout()
     fig.savefig(RESULTS / "kv_tier.png", dpi=120)
 

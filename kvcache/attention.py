@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache
 
 ATTN_IMPLEMENTATION = "structserve_paged"
@@ -36,7 +37,8 @@ class QuestRead:
     ends: torch.Tensor  # [R] cache entries the query sees (its own included)
     k: int
     dense_layers: int  # layers below this read every page
-    tier: bool = False  # chosen ids may name parked pages: read those from the host tier
+    hot: list[HotSet] | None = None  # offloaded rows: each row's hot set; parked ids are read
+    # from its cells or from the host tier
 
 
 @dataclass
@@ -132,9 +134,10 @@ def _gather(
         torch.index_select(paged, 1, page_index, out=buf)
     if host is not None:  # parked pages: one batched copy from the host tier for this layer
         assert kv.host is not None
-        k_host, v_host = kv.host.read_layer(layer, host.slots)
-        k_buf.index_copy_(1, host.positions, k_host)
-        v_buf.index_copy_(1, host.positions, v_host)
+        kvh, cap = kv.layout.num_kv_heads, kv.host.capacity_pages
+        cells = (torch.arange(kvh)[:, None] * cap + host.slots[None, :]).flatten()
+        for buf, block in zip((k_buf, v_buf), kv.host.read_cells(layer, cells), strict=True):
+            buf.index_copy_(1, host.positions, block.view(kvh, -1, *block.shape[1:]))
     for buf in (k_buf, v_buf):
         # [KVH, rows * P, ps, D] -> [rows, KVH, P * ps, D]: a view, tokens stay contiguous
         out.append(buf.view(buf.shape[0], rows, -1, buf.shape[-1]).transpose(0, 1))
@@ -274,8 +277,8 @@ def _quest_attention(
     score.scatter_(2, last, float("inf"))  # the page being written is always read
     chosen = score.topk(quest.k, dim=-1).indices.sort(dim=-1).values  # [R, KVH, k] in order
     physical = table.gather(1, chosen.flatten(1)).view(rows, kvh, quest.k)
-    if quest.tier:
-        keys, values = _quest_read_tiered(kv, layer, physical)
+    if quest.hot is not None:
+        keys, values = _quest_read_tiered(kv, layer, physical, quest.hot)
     else:
         heads_first = torch.arange(kvh, device=table.device)[None, :, None] * num_pages
         flat = (heads_first + physical).flatten()
@@ -291,31 +294,38 @@ def _quest_attention(
 
 
 def _quest_read_tiered(
-    kv: PagedKVCache, layer: int, physical: torch.Tensor
+    kv: PagedKVCache, layer: int, physical: torch.Tensor, hot: list[HotSet]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pages Quest chose `[R, KVH, k]`, some of them parked: resident ones from the pool, parked
-    ones from the host tier in one copy for this layer. The ids go to the host (on CUDA a sync):
-    the host issues the copy, and the engine's hot set learns what was read."""
+    """Pages Quest chose `[R, KVH, k]`, some of them parked. Resident pages and hot-set hits are
+    read from the pool in one gather; misses from the host tier in one copy for this layer, which
+    also fills the hot set's cells. The ids go to the host (on CUDA the layer's one sync): the host
+    issues the copy and keeps the hot set's bookkeeping."""
     rows, kvh, k = physical.shape
     ps, dim, num_pages = kv.page_size, kv.layout.head_dim, kv.num_pages
-    ids = physical.flatten().cpu()
-    kv.tier_reads.update(ids.tolist())
-    head = torch.arange(kvh).repeat_interleave(k).repeat(rows)  # KV head of each chosen id
-    parked = ids >= num_pages
-    resident = torch.where(parked, 0, ids) + head * num_pages
-    out = []
-    for cache in (kv.keys[layer], kv.values[layer]):
-        out.append(cache.view(kvh * num_pages, ps, dim).index_select(0, resident.to(kv.device)))
-    where = parked.nonzero().squeeze(-1)
-    if where.numel():
+    capacity = kv.host.capacity_pages if kv.host is not None else 0
+    ids = physical.tolist()
+    cells: list[int] = []
+    misses: list[int] = []
+    host_cells: list[int] = []
+    fills: list[tuple[int, int]] = []
+    for r, hot_set in enumerate(hot):
+        route = hot_set.route(layer, ids[r], num_pages, capacity)
+        fills += [(len(misses) + i, cell) for i, cell in route.fills]
+        misses += [len(cells) + pos for pos in route.misses]
+        host_cells += route.host_cells
+        cells += route.cells
+    pools = [c.view(kvh * num_pages, ps, dim) for c in (kv.keys[layer], kv.values[layer])]
+    index = torch.tensor(cells).to(kv.device, non_blocking=True)
+    out = [pool.index_select(0, index) for pool in pools]  # [R * KVH * k, ps, D]
+    if misses:
         assert kv.host is not None
-        slots = ids[where] - num_pages
-        unique, inverse = slots.unique(return_inverse=True)
-        k_host, v_host = kv.host.read_layer(layer, unique)  # [KVH, u, ps, D]
-        pick = (head[where] * unique.numel() + inverse).to(kv.device)  # this head's copy
-        dst = where.to(kv.device)
-        for buf, block in zip(out, (k_host, v_host), strict=True):
-            buf.index_copy_(0, dst, block.reshape(-1, ps, dim).index_select(0, pick))
+        blocks = kv.host.read_cells(layer, torch.tensor(host_cells))
+        dst = torch.tensor(misses).to(kv.device, non_blocking=True)
+        kept = torch.tensor([i for i, _ in fills], dtype=torch.long).to(kv.device)
+        into = torch.tensor([cell for _, cell in fills], dtype=torch.long).to(kv.device)
+        for buf, pool, block in zip(out, pools, blocks, strict=True):
+            buf.index_copy_(0, dst, block)
+            pool.index_copy_(0, into, block.index_select(0, kept))  # into the hot set's cells
     shape = (rows, kvh, k * ps, dim)
     return out[0].view(shape), out[1].view(shape)
 

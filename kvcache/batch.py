@@ -6,6 +6,7 @@ every layer reuses them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from kvcache.attention import (
     QuestRead,
     ShortQueries,
 )
+from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache, pages_needed
 from kvcache.policies import ReadPlan
 
@@ -53,11 +55,22 @@ class SeqSlice:
         return self.start if self.pos_start is None else self.pos_start
 
 
+def _page_runs(s: SeqSlice, page_size: int) -> Iterator[tuple[int, int, int]]:
+    """`(lo, hi, page)` for each page the new entries `[start, end)` fall in: one iteration per
+    page, not per token (a 4k-token prompt chunk is 256 runs)."""
+    lo = s.start
+    while lo < s.end:
+        hi = min(s.end, (lo // page_size + 1) * page_size)
+        yield lo, hi, s.pages[lo // page_size]
+        lo = hi
+
+
 def _slot_mapping(seqs: list[SeqSlice], page_size: int) -> torch.Tensor:
     slots: list[int] = []
     for s in seqs:
-        for pos in range(s.start, s.end):
-            slots.append(s.pages[pos // page_size] * page_size + pos % page_size)
+        for lo, hi, page in _page_runs(s, page_size):
+            first = page * page_size - (lo // page_size) * page_size  # slot of entry 0 of the page
+            slots.extend(range(first + lo, first + hi))
     return torch.tensor(slots, dtype=torch.long)
 
 
@@ -135,7 +148,7 @@ def _short_queries(
             ends,
             plan.quest_pages,
             plan.dense_layers,
-            plan.tier,
+            _hot_sets(seqs) if plan.tier is not None else None,
         )
     if plan is not None and plan.collect is not None:
         ends = starts + nq
@@ -149,6 +162,13 @@ def _short_queries(
     return ShortQueries(
         token_index, src_index, dst_index, page_index.flatten(), mask, quest, collect, host
     )
+
+
+def _hot_sets(seqs: list[SeqSlice]) -> list[HotSet]:
+    """Each offloaded row's hot set (rows are grouped by plan: all of them are offloaded)."""
+    hot = [s.plan.tier for s in seqs if s.plan is not None and s.plan.tier is not None]
+    assert len(hot) == len(seqs)
+    return hot
 
 
 def _voters(nq: torch.Tensor, qmax: int, plan: ReadPlan) -> torch.Tensor:
@@ -198,7 +218,7 @@ def _plan_key(s: SeqSlice) -> tuple[object, ...]:
     p = s.plan
     if p is None or (p.quest_pages is None and p.collect is None):
         return ("dense",)
-    return (p.quest_pages, p.dense_layers, p.collect, p.observe, p.kernel_size, p.tier)
+    return (p.quest_pages, p.dense_layers, p.collect, p.observe, p.kernel_size, p.tier is not None)
 
 
 def _bounds_update(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> BoundsUpdate | None:
@@ -209,11 +229,10 @@ def _bounds_update(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> 
     for s, offset in zip(seqs, offsets, strict=True):
         if s.plan is None or not s.plan.bounds:
             continue
-        for i, pos in enumerate(range(s.start, s.end)):
-            page = s.pages[pos // page_size]
-            tokens.append(offset + i)
-            pages.append(page)
-            if pos % page_size == 0:  # a page's first key: the bounds of its last owner go
+        for lo, hi, page in _page_runs(s, page_size):
+            tokens.extend(range(offset + lo - s.start, offset + hi - s.start))
+            pages.extend([page] * (hi - lo))
+            if lo % page_size == 0:  # a page's first key: the bounds of its last owner go
                 fresh.append(page)
     if not tokens:
         return None

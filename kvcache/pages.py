@@ -99,8 +99,10 @@ class HostPages(Protocol):
 
     capacity_pages: int
 
-    def read_layer(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[KVH, n, ps, D]` keys and values of host `slots` (a CPU index) on the pool's device."""
+    def read_cells(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[n, ps, D]` keys and values of one layer's host cells on the pool's device.
+
+        `cells` (a CPU index): `head * capacity_pages + slot`, one KV head of one parked page."""
         ...
 
 
@@ -142,7 +144,6 @@ class PagedKVCache:
         self.bounds_min = torch.empty(0, dtype=layout.dtype, device=device)
         self.bounds_max = torch.empty(0, dtype=layout.dtype, device=device)
         self.host: HostPages | None = None
-        self.tier_reads: set[int] = set()  # page ids Quest read for offloaded rows this step
 
     def attach_host(self, host: HostPages) -> None:
         """Page id `num_pages + s` now names host slot `s` (a parked page)."""

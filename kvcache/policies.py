@@ -21,10 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
+from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache, pages_needed
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class ReadPlan:
     collect: Collect | None = None  # explicit attention, weights summed into the slot scores
     observe: int = 0  # "observe": only the last `observe` queries vote (pooled, overwritten)
     kernel_size: int = 1
-    tier: bool = False  # the row's page table may name parked pages (host tier)
+    tier: HotSet | None = None  # offloaded: its page table names parked pages (host tier)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class KVState:
     impl: Policy
     evicted: int = 0  # tokens dropped; cache index = logical index - evicted (before rerotate)
     compactions: int = 0
-    tier: Any = None  # offload: the engine's record of the request's parked and hot pages
+    tier: HotSet | None = None  # offload: the device cells of the parked pages it reads
 
     def cached(self, computed: int) -> int:
         return computed - self.evicted
@@ -228,7 +229,7 @@ class Quest(Policy):
             quest_pages=max(1, policy.budget // (policy.page_size or 1)) if decode else None,
             dense_layers=policy.dense_layers,
             bounds=True,
-            tier=policy.offload,
+            tier=state.tier,
         )
 
     def chunk_limit(

@@ -29,12 +29,17 @@ written may have just been freed by a request whose attention is still queued. T
 never read asynchronously, so its slots may be freed as soon as `recall` returns. On CPU every copy
 is synchronous and the handle is a no-op. A copy larger than staging is split into chunks.
 
-What the engine must know. Recall leaves the host copy in place: a full page is immutable, so
-evicting a recalled page again only frees its device page (no second park). `layers=range(l, l+1)`
-recalls one layer just before its attention. Before returning device pages that a recall may still
-be writing (cancel mid-recall), call `handle.wait()` or `fence()`. Counters are cumulative (take
-differences per step); `pages_recalled` counts full-page equivalents (one layer of an L-layer page
-is 1/L). Not thread-safe: the engine thread calls it, telemetry only reads counters.
+Reads. `read_cells` is what attention uses: the cells one layer needs (a cell is one KV head of
+one layer of a parked page), gathered into one batch and copied in one piece (on CUDA through
+staging, on the side stream, the compute stream waiting on its event). `recall` brings whole pages
+back into device pages, all layers or `layers=range(l, l+1)`.
+
+What the engine must know. The host copy stays in place: a full page is immutable, so dropping a
+device copy of a parked page needs no write-back. Before returning device pages that a recall may
+still be writing (cancel mid-recall), call `handle.wait()` or `fence()`. Counters are cumulative
+(take differences per step); `pages_recalled` counts full-page equivalents (`cells_recalled`: one
+KV head of one layer of a page). Not thread-safe: the engine thread calls it, telemetry only reads
+counters.
 """
 
 from __future__ import annotations
@@ -136,7 +141,7 @@ class HostPageStore:
         self.pages_parked = 0
         self.bytes_to_host = 0
         self.bytes_to_device = 0
-        self.layer_pages_recalled = 0  # one page of one layer
+        self.cells_recalled = 0  # one KV head of one layer of one page
         self.hits = 0
         self.misses = 0
         self._latency_ms: deque[float] = deque(maxlen=latency_samples)
@@ -154,8 +159,8 @@ class HostPageStore:
 
     @property
     def pages_recalled(self) -> int:
-        """Full-page equivalents recalled: a one-layer recall of an L-layer page counts 1/L."""
-        return self.layer_pages_recalled // self.layout.num_layers
+        """Full-page equivalents recalled (a cell, one layer and KV head of a page, is a part)."""
+        return self.cells_recalled // (self.layout.num_layers * self.layout.num_kv_heads)
 
     def owner_pages(self, owner: Owner) -> int:
         return len(self._slots.get(owner, ()))
@@ -301,7 +306,7 @@ class HostPageStore:
             )
         if not self._cuda:
             self._latency_ms.append((time.perf_counter() - start) * 1e3)
-        self.layer_pages_recalled += n * m
+        self.cells_recalled += n * m * lay.num_kv_heads
         self.bytes_to_device += n * m * lay.bytes_per_page // lay.num_layers
         return handle
 
@@ -333,23 +338,63 @@ class HostPageStore:
         self._timing.append((start, end))
         return RecallHandle(end, self.device)
 
-    def read_layer(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of host `slots` (a CPU index) for one layer, on the device.
+    def read_cells(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of host `cells` of one layer, on the device, `[n, ps, D]` each.
 
-        `[KVH, n, ps, D]` each: what attention reads for pages it selected that are parked and
-        not worth a place in the pool (one batched copy per layer). Ownership was checked when
+        A cell is one KV head of one parked page, `head * capacity_pages + slot` (a CPU index):
+        what attention reads for the pages a layer selected that are not on the device, in one
+        batched copy per layer. On CUDA the cells are gathered into pinned staging, copied on the
+        side stream while the compute stream gathers the resident pages, and the compute stream
+        waits for the copy's event before anything reads the result. Ownership was checked when
         the engine put these slots in the request's page table; this is the hot path."""
-        lay, n = self.layout, int(slots.numel())
+        lay, n = self.layout, int(cells.numel())
         start = time.perf_counter()
         out = []
         for src in (self.keys, self.values):
-            paged = src[layer].unflatten(1, (self.capacity_pages, lay.page_size))
-            block = paged.index_select(1, slots)  # [KVH, n, ps, D] on the host
-            out.append(block.to(self.device, non_blocking=False) if self._cuda else block)
+            flat = src[layer].view(-1, lay.page_size, lay.head_dim)  # [KVH * capacity, ps, D]
+            out.append(flat if self._cuda else flat.index_select(0, cells))
+        if self._cuda:
+            out = self._read_cells_cuda(out, cells)
         self._latency_ms.append((time.perf_counter() - start) * 1e3)
-        self.layer_pages_recalled += n
-        self.bytes_to_device += n * lay.bytes_per_page // lay.num_layers
+        self.cells_recalled += n
+        self.bytes_to_device += n * lay.bytes_per_page // (lay.num_layers * lay.num_kv_heads)
         return out[0], out[1]
+
+    def _read_cells_cuda(
+        self, flats: list[torch.Tensor], cells: torch.Tensor
+    ) -> list[torch.Tensor]:
+        lay = self.layout
+        cell_numel = lay.page_size * lay.head_dim
+        per_chunk = self._staging.numel() // 2 // cell_numel  # cells that fit half the staging
+        out = [
+            torch.empty(
+                (len(cells), lay.page_size, lay.head_dim), dtype=lay.dtype, device=self.device
+            )
+            for _ in flats
+        ]
+        for lo in range(0, len(cells), per_chunk):
+            part = cells[lo : lo + per_chunk]
+            for i, (flat, dst) in enumerate(zip(flats, out, strict=True)):
+                staged = self._stage_numel(i, len(part) * cell_numel).view(-1, *flat.shape[1:])
+                torch.index_select(flat, 0, part, out=staged)  # CPU gather into pinned memory
+                self._copy_async(staged, dst[lo : lo + len(part)])
+            self._landed()
+        return out
+
+    def _copy_async(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Pinned `src` into device `dst` on the side stream (ordered after queued compute)."""
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+
+    def _landed(self) -> None:
+        """The compute stream waits for the side stream's copies; staging is busy until then."""
+        assert self._stream is not None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        self._staged = event
 
     def _scatter(
         self, kv: PagedKVCache, sel: slice, idx: torch.Tensor, blocks: list[torch.Tensor]
@@ -361,14 +406,16 @@ class HostPageStore:
         """Staging for keys (0) or values (1) of `n` pages over `m` layers, `[m, KVH, n, ps, D]`.
 
         Hazard: the last recall's asynchronous copy may still read staging; wait for it first."""
+        lay = self.layout
+        flat = self._stage_numel(which, m * n * self._slot_numel)
+        return flat.view(m, lay.num_kv_heads, n, lay.page_size, lay.head_dim)
+
+    def _stage_numel(self, which: int, numel: int) -> torch.Tensor:
         if self._staged is not None:
             self._staged.synchronize()
             self._staged = None
-        numel = m * n * self._slot_numel
         assert numel <= self._staging.numel() // 2, "chunking keeps a copy within staging"
-        lay = self.layout
-        flat = self._staging[which * numel : (which + 1) * numel]
-        return flat.view(m, lay.num_kv_heads, n, lay.page_size, lay.head_dim)
+        return self._staging[which * numel : (which + 1) * numel]
 
     def _check_pool(self, kv: PagedKVCache, device_pages: Sequence[int]) -> None:
         if kv.layout != self.layout or kv.keys.device != self.device:

@@ -84,6 +84,7 @@ class LLMEngine:
             )
             self.offload = OffloadManager(kv, self.kv_tier, self.scheduler)
             self.scheduler.on_release = self.offload.release
+            self.scheduler.reclaim = self.offload.reclaim
 
     def _eos_token_ids(self) -> frozenset[int]:
         model = self.runner.model
@@ -267,7 +268,7 @@ class LLMEngine:
 
     def _apply_kv_policies(self, sched: SchedulerOutput) -> None:
         """Bounded policies evict after each step that filled their slack; pages go back.
-        Offloaded requests update their hot set and park their cold pages."""
+        Offloaded requests grow their hot set and park their cold pages."""
         ps = self.config.page_size
         for c in sched.chunks:
             req, state = c.request, c.request.kv_state
@@ -277,7 +278,6 @@ class LLMEngine:
                 self.scheduler.release_pages(req, self.runner.compact(req))
             if state.tier is not None and self.offload is not None:
                 self.offload.after_step(req)
-        self.runner.kv.tier_reads.clear()
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         if token in req.eos_token_ids or token in (req.params.stop_token_ids or ()):

@@ -1,14 +1,18 @@
 """Quest with the host tier: which of a request's pages live on the device, which are parked.
 
-A `quest` request with `offload=True` keeps on the device its first page (the attention sinks),
-its last `RECENT_PAGES` pages (being written), and a hot set of up to `hot_pages` pages it selected
-recently (least recently selected goes first). Every other full page is parked in the host store
-(`services.kv_tier`) and its page-table entry becomes `num_pages + host slot`; the page's Quest
-bounds are copied to that id, so selection still runs on the device over every page. When a step
-selects parked pages, attention reads them from the host tier in one copy per layer; after the step
-the ones selected are promoted into the hot set (one batched recall of every layer), evicting the
-least recently selected. A full page never changes, so its host copy stays valid: eviction from
-the hot set only frees the device page.
+A `quest` request with `offload=True` keeps in its page table, on the device, its first page (the
+attention sinks) and its last `RECENT_PAGES` pages (being written). Every other full page is parked
+in the host store (`services.kv_tier`) and its page-table entry becomes `num_pages + host slot`; the
+page's Quest bounds are copied to that id, so selection still runs on the device over every page.
+
+Parked pages a step selects are read per layer: from the request's hot set when that layer and KV
+head selected them recently (`kvcache.hot_set`: `hot_pages` pool pages whose cells hold, per layer
+and head, an LRU of parked pages), else from the host tier in one copy per layer, which also fills
+the hot set. A full page never changes, so its host copy stays valid and nothing is written back.
+
+The hot set is a cache: it grows into free pool pages after a step (up to `hot_pages`, leaving a
+page per running offloaded request), and when the scheduler needs pages it takes them back from
+the largest hot sets before it preempts anyone.
 
 Admission reserves the request's host pages up front (a tenant over its cap is refused there, not
 mid-decode); finishing, cancelling or preempting a request returns every page on both tiers (a
@@ -17,24 +21,15 @@ preempted request keeps its reservation: it is recomputed later).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
-
 import torch
 
+from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache, pages_needed
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 from services.kv_tier import HostPageStore, HostTierFull, Owner
 
 RECENT_PAGES = 2  # the page being written and the one before stay resident
-
-
-@dataclass
-class TierState:
-    """One request's pages on the host: device page -> host slot for hot pages, in LRU order."""
-
-    hot: OrderedDict[int, int] = field(default_factory=OrderedDict)
 
 
 def owner(req: Request) -> Owner:
@@ -44,6 +39,7 @@ def owner(req: Request) -> Owner:
 class OffloadManager:
     def __init__(self, kv: PagedKVCache, store: HostPageStore, scheduler: Scheduler) -> None:
         self.kv, self.store, self.scheduler = kv, store, scheduler
+        self.active: dict[str, Request] = {}  # admitted offloaded requests, by request id
         kv.attach_host(store)
 
     def admit(self, req: Request) -> str | None:
@@ -53,66 +49,62 @@ class OffloadManager:
             self.store.reserve(owner(req), self._pages(req))
         except HostTierFull as exc:
             return f"kv.offload: {exc}"
-        req.kv_state.tier = TierState()
+        req.kv_state.tier = self._empty_hot_set()
+        self.active[req.request_id] = req
         return None
 
     def release(self, req: Request) -> None:
-        """Every host page of the request goes back (device pages are the scheduler's)."""
+        """Every host page and hot-set page of the request goes back (its page table's device
+        pages are the scheduler's)."""
         state = req.kv_state
         if state is None or state.tier is None:
             return
-        self.store.fence()  # a recall still writing into pages about to be reused
+        self.store.fence()  # a copy still writing into pages about to be reused
         self.store.release(owner(req))
-        state.tier = TierState()
+        self.scheduler.allocator.free(state.tier.shrink(state.tier.ways))
+        state.tier = self._empty_hot_set()
         if req.finish_reason is None:  # preempted: it runs again, with the same reservation
             self.store.reserve(owner(req), self._pages(req))
+        else:
+            self.active.pop(req.request_id, None)
+
+    def _empty_hot_set(self) -> HotSet:
+        return HotSet(self.kv.layout.num_layers, self.kv.layout.num_kv_heads)
 
     def _pages(self, req: Request) -> int:
         return pages_needed(req.num_prompt_tokens + req.params.max_tokens, self.kv.page_size)
 
     @torch.inference_mode()  # the pool and the bounds are inference tensors
     def after_step(self, req: Request) -> None:
-        """Hot set from this step's reads, then every cold full page parked."""
+        """Selections counted, the hot set grown into free pages, cold full pages parked."""
         state = req.kv_state
         assert state is not None and state.tier is not None
-        hot = state.tier.hot
-        table, num_pages = req.pages, self.kv.num_pages
-        reads = self.kv.tier_reads
-        resident_reads = [p for p in table if p < num_pages and p in reads]
-        parked_reads = [i for i, p in enumerate(table) if p >= num_pages and p in reads]
-        self.store.record_hits(len(resident_reads), len(parked_reads))
-        for p in resident_reads:
-            if p in hot:
-                hot.move_to_end(p)
-        budget = state.policy.hot_budget_pages
-        self._promote(req, parked_reads[-budget:] if budget else [])
-        while len(hot) > budget:
-            page, slot = hot.popitem(last=False)
-            table[table.index(page)] = num_pages + slot
-            self.scheduler.allocator.free([page])
+        hot: HotSet = state.tier
+        self.store.record_hits(hot.resident + hot.hits, hot.misses)
+        hot.resident = hot.hits = hot.misses = 0
+        alloc = self.scheduler.allocator
+        room = alloc.num_free - len(self.active)  # a page for each offloaded request's next token
+        grow = min(state.policy.hot_budget_pages - hot.ways, room)
+        if grow > 0:
+            hot.grow(alloc.allocate(grow))
         self._park_cold(req)
 
-    def _promote(self, req: Request, indices: list[int]) -> None:
-        alloc = self.scheduler.allocator
-        indices = indices[: alloc.num_free]
-        if not indices:
-            return
-        table, num_pages = req.pages, self.kv.num_pages
-        slots = [table[i] - num_pages for i in indices]
-        pages = alloc.allocate(len(indices))
-        self.store.recall(self.kv, slots, pages, owner(req)).wait()
-        self._copy_bounds([num_pages + s for s in slots], pages)
-        hot = req.kv_state.tier.hot  # type: ignore[union-attr]
-        for i, page, slot in zip(indices, pages, slots, strict=True):
-            table[i] = page
-            hot[page] = slot
+    def reclaim(self, n: int) -> int:
+        """Frees up to `n` hot-set pages, from the largest hot sets first; returns how many."""
+        freed: list[int] = []
+        by_size = sorted(self.active.values(), key=lambda r: -self._hot(r).ways)
+        for req in by_size:
+            freed += self._hot(req).shrink(n - len(freed))
+            if len(freed) >= n:
+                break
+        self.scheduler.allocator.free(freed)
+        return len(freed)
 
     def _park_cold(self, req: Request) -> None:
         table, num_pages = req.pages, self.kv.num_pages
-        hot = req.kv_state.tier.hot  # type: ignore[union-attr]
         full = req.num_computed_tokens // self.kv.page_size
         last = min(full, len(table) - RECENT_PAGES)
-        cold = [i for i in range(1, last) if table[i] < num_pages and table[i] not in hot]
+        cold = [i for i in range(1, last) if table[i] < num_pages]
         if not cold:
             return
         pages = [table[i] for i in cold]
@@ -131,4 +123,11 @@ class OffloadManager:
             bounds.index_copy_(2, d, bounds.index_select(2, s))
 
     def device_pages(self, req: Request) -> int:
-        return sum(1 for p in req.pages if p < self.kv.num_pages)
+        """Pool pages the request holds: its resident table pages and its hot set."""
+        hot = 0 if req.kv_state is None or req.kv_state.tier is None else req.kv_state.tier.ways
+        return sum(1 for p in req.pages if p < self.kv.num_pages) + hot
+
+    @staticmethod
+    def _hot(req: Request) -> HotSet:
+        assert req.kv_state is not None and req.kv_state.tier is not None
+        return req.kv_state.tier

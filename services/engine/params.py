@@ -94,8 +94,9 @@ class KVPolicy:
     - `quest`: per decode step, the pages whose key bounds promise the most attention, up to the
       budget, plus the last page; the first `dense_layers` layers and prefill read every page.
     `page_size`, when given, must equal the engine's page size (Quest's pages are the pool's).
-    `offload=True` (quest, with a host tier configured) parks the pages not selected recently in
-    host memory; `hot_pages` (default: the budget's pages) stay on the device after a selection.
+    `offload=True` (quest, with a host tier configured) parks every page but the first and the
+    last two in host memory; `hot_pages` (default: the budget's pages) pool pages hold, per layer
+    and KV head, the parked pages selected most recently (`kvcache.hot_set`).
     """
 
     kind: KVKind = "full"
@@ -108,7 +109,7 @@ class KVPolicy:
     heavy_ratio: float = 0.5
     kernel_size: int = 5
     dense_layers: int = 2
-    hot_pages: int | None = None  # offload: recently selected pages kept on the device
+    hot_pages: int | None = None  # offload: pool pages of the hot set (see `kvcache.hot_set`)
 
     def __post_init__(self) -> None:
         if self.kind not in KV_KINDS:

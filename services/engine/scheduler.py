@@ -54,6 +54,8 @@ class Scheduler:
         self.allocator = allocator
         # called when a request's pages go back (finish, preemption): the host tier frees its own
         self.on_release: Callable[[Request], None] | None = None
+        # asked for pages before anyone is preempted (the host tier's hot sets are a cache)
+        self.reclaim: Callable[[int], int] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -126,6 +128,9 @@ class Scheduler:
         missing = pages_needed(num_tokens, self.config.page_size) - len(req.pages)
         if missing <= 0:
             return True
+        short = missing - self.allocator.num_free
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)
         if not self.allocator.can_allocate(missing):
             return False
         req.pages.extend(self.allocator.allocate(missing))

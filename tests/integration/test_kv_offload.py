@@ -57,7 +57,9 @@ def empty(llm: LLM) -> bool:
 def test_offloaded_quest_equals_all_resident_quest(tiered, roomy, tokens, budget):
     ids = prompt(tiered, tokens)
     resident = roomy.generate(ids, greedy(KVPolicy(kind="quest", budget_tokens=budget)))[0]
-    hot_sizes = (0, None)  # every selected parked page read from the host each step; the default
+    # every parked selection read from the host each step; one way per layer and head (evicting
+    # every step); the default (the budget's pages)
+    hot_sizes = (0, 1, None)
     params = [
         greedy(KVPolicy(kind="quest", budget_tokens=budget, offload=True, hot_pages=h))
         for h in hot_sizes
@@ -92,7 +94,7 @@ def test_device_pages_stay_within_sinks_recent_and_hot_set(tiered):
     while not req.finished:
         engine.step()
         if req.num_computed_tokens > req.num_prompt_tokens:  # decoding
-            most = max(most, sum(1 for p in req.pages if p < engine.runner.kv.num_pages))
+            most = max(most, engine.offload.device_pages(req))
     engine.release(req.request_id)
     # the sink page, the recent pages, the hot set, and a fresh page for the next token
     assert most <= 1 + RECENT_PAGES + hot + 1
@@ -153,14 +155,45 @@ def test_offload_needs_a_host_tier(roomy):
     assert out.finish_reason == "error" and out.warnings[0].startswith("kv.offload")
 
 
-def test_preempted_offloaded_requests_recompute_to_the_same_tokens(tiered, roomy):
+def test_the_hot_set_serves_repeated_selections_from_the_device(tiered):
+    engine: LLMEngine = tiered.engine
+    ids = prompt(tiered, 700)
+    tier = engine.kv_tier
+    misses, tokens = [], []
+    for hot in (0, 4):
+        before = tier.misses
+        quest = KVPolicy(kind="quest", budget_tokens=64, offload=True, hot_pages=hot)
+        tokens.append(tiered.generate(ids, greedy(quest, 16))[0].token_ids)
+        misses.append(tier.misses - before)
+    # the same selections (same tokens); without a hot set every parked one is read from the host
+    assert tokens[0] == tokens[1]
+    assert 0 < misses[1] < misses[0] / 2
+    assert empty(tiered)
+
+
+def test_hot_sets_give_their_pages_back_before_anyone_is_preempted(tiered, roomy):
     engine: LLMEngine = tiered.engine
     quest = KVPolicy(kind="quest", budget_tokens=96, offload=True, hot_pages=20)
     ids = prompt(tiered, 600)
     before = engine.scheduler.num_preemptions
-    # hot sets fill the free pages; the next page a request needs preempts another
+    # three hot sets of 20 pages would take more than the 40-page pool: they shrink instead
     outs = tiered.generate([ids] * 3, [greedy(quest, 40)] * 3)
-    assert engine.scheduler.num_preemptions > before
+    assert engine.scheduler.num_preemptions == before
     resident = roomy.generate(ids, greedy(KVPolicy(kind="quest", budget_tokens=96), 40))[0]
     assert all(o.token_ids == resident.token_ids for o in outs)
+    assert empty(tiered)
+
+
+def test_preempted_offloaded_requests_recompute_to_the_same_tokens(tiered, roomy):
+    engine: LLMEngine = tiered.engine
+    quest = KVPolicy(kind="quest", budget_tokens=96, offload=True, hot_pages=20)
+    ids, long = prompt(tiered, 600), prompt(tiered, 420)
+    before = engine.scheduler.num_preemptions
+    # a dense request's pages cannot be parked: as it grows, an offloaded request is preempted
+    params = [greedy(quest, 40), greedy(quest, 40), greedy(None, 60)]
+    outs = tiered.generate([ids, ids, long], params)
+    assert engine.scheduler.num_preemptions > before
+    resident = roomy.generate(ids, greedy(KVPolicy(kind="quest", budget_tokens=96), 40))[0]
+    dense = roomy.generate(long, greedy(None, 60))[0]
+    assert [o.token_ids for o in outs] == [resident.token_ids] * 2 + [dense.token_ids]
     assert empty(tiered)

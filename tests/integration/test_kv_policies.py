@@ -156,3 +156,30 @@ def test_prompt_logprobs_match_the_reference_model_through_chunked_prefill(loade
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) - 1
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs), expected, atol=2e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def small(loaded_model) -> LLM:
+    """16 pages (256 tokens): a growing dense request takes the pages of a later one."""
+    page_bytes = 2 * 30 * 3 * 64 * 4 * PS  # SmolLM2 in float32
+    return LLM(loaded=loaded_model, kv_cache_memory=16 * page_bytes, grammar_workers=0)
+
+
+@pytest.fixture(scope="module")
+def hog(llm) -> tuple[list[int], list[int]]:
+    """A dense request of 10 pages growing to 15, and the tokens it makes alone."""
+    words = llm.engine.tokenize(" one two three four five six seven eight nine ten")
+    ids = (words * 20)[:150]
+    return ids, llm.generate(ids, greedy(80))[0].token_ids
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_a_preempted_request_recomputes_to_the_tokens_it_makes_alone(llm, small, hog, name):
+    engine: LLMEngine = small.engine
+    before = engine.scheduler.num_preemptions
+    # admitted second, the policy's request is the one preempted when the hog needs a page
+    outs = small.generate([hog[0], PROMPT], [greedy(80), greedy(60, POLICIES[name])])
+    assert engine.scheduler.num_preemptions > before
+    assert outs[1].token_ids == llm.generate(PROMPT, greedy(60, POLICIES[name]))[0].token_ids
+    assert outs[0].token_ids == hog[1]
+    assert engine.runner.kv.allocator.num_used == 0

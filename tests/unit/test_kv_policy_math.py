@@ -44,6 +44,19 @@ def cached_keys(kv: PagedKVCache, pages: list[int], n: int) -> torch.Tensor:
     return kv.keys[:, :, slots]
 
 
+def scored_cache(
+    seed: int,
+) -> tuple[PagedKVCache, list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """20 random tokens in 5 scattered pages, their slots and random scores to edit and store."""
+    torch.manual_seed(seed)
+    kv = make_cache()
+    kv.ensure_scores()
+    pages = [4, 1, 7, 2, 9]
+    keys = fill(kv, pages, 20)
+    slots = torch.tensor([pages[t // PS] * PS + t % PS for t in range(20)])
+    return kv, pages, keys, slots, torch.rand(LAYERS, KVH, 20)
+
+
 def rows(bounds: torch.Tensor) -> torch.Tensor:
     """[P, KVH, D] page bounds -> [50, KVH, P, D], the same pages for each of 50 query rows."""
     return bounds.transpose(0, 1)[None].expand(50, -1, -1, -1)
@@ -169,16 +182,10 @@ def test_window_and_sinks_keep_their_positions(policy, expected):
 
 
 def test_h2o_keeps_heavy_hitters_per_head_and_the_recent_window():
-    torch.manual_seed(4)
-    kv = make_cache()
-    kv.ensure_scores()
-    pages = [4, 1, 7, 2, 9]
-    keys = fill(kv, pages, 20)
-    scores = torch.rand(LAYERS, KVH, 20)
+    kv, pages, keys, slots, scores = scored_cache(seed=4)
     heavy = {(0, 0): [3, 9], (0, 1): [0, 5], (1, 0): [11, 2], (1, 1): [7, 8]}
     for (layer, head), idx in heavy.items():
         scores[layer, head, idx] = 10.0
-    slots = torch.tensor([pages[t // PS] * PS + t % PS for t in range(20)])
     kv.scores[:, :, slots] = scores
     state = new_state(KVPolicy(kind="h2o", budget_tokens=8, heavy_ratio=0.25), PS)
     compact(kv, state, list(pages), 20, 20)
@@ -191,13 +198,7 @@ def test_h2o_keeps_heavy_hitters_per_head_and_the_recent_window():
 
 
 def test_snapkv_keeps_top_voted_positions_and_its_observation_window():
-    torch.manual_seed(5)
-    kv = make_cache()
-    kv.ensure_scores()
-    pages = [4, 1, 7, 2, 9]
-    keys = fill(kv, pages, 20)
-    slots = torch.tensor([pages[t // PS] * PS + t % PS for t in range(20)])
-    scores = torch.rand(LAYERS, KVH, 20)
+    kv, pages, keys, slots, scores = scored_cache(seed=5)
     scores[:, :, 6] = 5.0
     scores[:, 1, 2] = 6.0
     kv.scores[:, :, slots] = scores

@@ -192,6 +192,30 @@ def test_counters_follow_page_arithmetic():
     assert store.hit_rate == pytest.approx(0.6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_cells_returns_one_head_of_one_layer_of_each_parked_page(dtype):
+    lay = layout(dtype)
+    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
+    src = [3, 7, 5]
+    originals = [page(kv, p) for p in src]
+    slots = store.park(kv, src, A1)
+    cap = store.capacity_pages
+    wanted = [(2, 1, 0), (0, 0, 2), (1, 1, 2), (2, 0, 0)]  # (layer, head, index into src)
+    for layer in range(lay.num_layers):
+        picks = [(h, i) for lay_, h, i in wanted if lay_ == layer]
+        if not picks:
+            continue
+        cells = torch.tensor([h * cap + slots[i] for h, i in picks])
+        keys, values = store.read_cells(layer, cells)
+        assert keys.shape == (len(picks), lay.page_size, lay.head_dim)
+        for row, (h, i) in enumerate(picks):
+            assert torch.equal(keys[row], originals[i][0][layer, h])
+            assert torch.equal(values[row], originals[i][1][layer, h])
+    assert store.cells_recalled == len(wanted)
+    cell_bytes = lay.bytes_per_page // (lay.num_layers * lay.num_kv_heads)
+    assert store.bytes_to_device == len(wanted) * cell_bytes
+
+
 def test_bad_arguments_are_refused():
     lay = layout()
     kv, store = pool(lay), HostPageStore(lay, 8, CPU)
@@ -229,5 +253,15 @@ def test_cuda_round_trip_through_pinned_staging():
         store.recall(kv, slots, dst, A1, layers=range(layer, layer + 1)).wait()
     for (k, v), p in zip(want, dst, strict=True):
         assert torch.equal(page(kv, p)[0], k) and torch.equal(page(kv, p)[1], v)
+    # both heads of the 10 pages twice over, as cells: 40 cells, more than staging holds (24)
+    cap = store.capacity_pages
+    cells = torch.tensor([h * cap + s for h in (0, 1) for s in slots] * 2)
+    for layer in range(lay.num_layers):
+        keys, values = store.read_cells(layer, cells)
+        assert keys.device.type == "cuda"
+        order = [(h, i) for h in (0, 1) for i in range(len(src))] * 2
+        want_k = torch.stack([want[i][0][layer, h] for h, i in order])
+        want_v = torch.stack([want[i][1][layer, h] for h, i in order])
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)
     torch.cuda.synchronize()
     assert store.recall_latency_ms(50) is not None

@@ -1,0 +1,71 @@
+"""The hot set's LRU per layer and KV head, on hand-made selections."""
+
+from __future__ import annotations
+
+from kvcache.hot_set import HotSet
+
+NUM_PAGES = 100  # ids from 100 name host slots
+CAPACITY = 50  # host slots per KV head
+
+
+def parked(*slots: int) -> list[int]:
+    return [NUM_PAGES + s for s in slots]
+
+
+def test_without_ways_every_parked_choice_is_a_miss_and_resident_pages_read_in_place():
+    hot = HotSet(num_layers=2, num_kv_heads=2)
+    route = hot.route(0, [[7, *parked(3, 4)], [8, *parked(5, 6)]], NUM_PAGES, CAPACITY)
+    assert route.cells[0] == 7 and route.cells[3] == NUM_PAGES + 8  # head 1's rows of the pool
+    assert route.misses == [1, 2, 4, 5]
+    assert route.host_cells == [3, 4, CAPACITY + 5, CAPACITY + 6]
+    assert route.fills == []
+    assert (hot.resident, hot.hits, hot.misses) == (2, 0, 4)
+
+
+def test_misses_fill_ways_and_the_next_step_reads_them_from_the_pool():
+    hot = HotSet(num_layers=1, num_kv_heads=2)
+    hot.grow([50, 51])
+    first = hot.route(0, [parked(3, 4), parked(5, 6)], NUM_PAGES, CAPACITY)
+    assert first.misses == [0, 1, 2, 3]
+    # every miss is kept, each head in its own cells of pool pages 50 and 51
+    cells = dict(first.fills)
+    assert sorted(cells[i] for i in (0, 1)) == [50, 51]
+    assert sorted(cells[i] for i in (2, 3)) == [NUM_PAGES + 50, NUM_PAGES + 51]
+    second = hot.route(0, [parked(4, 9), parked(5, 6)], NUM_PAGES, CAPACITY)
+    assert second.misses == [1]  # slot 9 only
+    assert second.cells[0] == cells[1]  # slot 4 read from the cell it filled
+    assert second.cells[2:] == [cells[2], cells[3]]
+    assert dict(second.fills) == {0: cells[0]}  # slot 9 evicts slot 3, not slot 4 (hit now)
+    assert hot.cached(0, 0) == [4, 9] and (hot.hits, hot.misses) == (3, 5)
+
+
+def test_the_least_recently_used_way_goes_first():
+    hot = HotSet(num_layers=1, num_kv_heads=1)
+    hot.grow([60, 61, 62])
+    for slot in (1, 2, 3, 1):  # slot 1 used again: slot 2 is now the oldest
+        hot.route(0, [parked(slot)], NUM_PAGES, CAPACITY)
+    assert hot.cached(0, 0) == [2, 3, 1]
+    hot.route(0, [parked(8)], NUM_PAGES, CAPACITY)
+    assert hot.cached(0, 0) == [3, 1, 8]
+
+
+def test_more_misses_than_free_ways_keep_the_ways_hit_this_step():
+    hot = HotSet(num_layers=1, num_kv_heads=1)
+    hot.grow([70, 71])
+    hot.route(0, [parked(1)], NUM_PAGES, CAPACITY)
+    route = hot.route(0, [parked(1, 2, 3)], NUM_PAGES, CAPACITY)
+    assert route.misses == [1, 2]
+    assert [i for i, _ in route.fills] == [0]  # one empty way for two misses; slot 1 stays
+    assert hot.cached(0, 0) == [1, 2]
+
+
+def test_layers_are_independent_and_shrink_forgets_ways():
+    hot = HotSet(num_layers=2, num_kv_heads=1)
+    hot.grow([80, 81])
+    hot.route(0, [parked(5)], NUM_PAGES, CAPACITY)
+    assert hot.route(1, [parked(5)], NUM_PAGES, CAPACITY).misses == [0]  # layer 1 never saw it
+    assert hot.route(0, [parked(5)], NUM_PAGES, CAPACITY).misses == []
+    assert hot.shrink(1) == [81] and hot.ways == 1
+    assert hot.shrink(5) == [80] and hot.ways == 0
+    assert hot.route(0, [parked(5)], NUM_PAGES, CAPACITY).misses == [0]
+    assert hot.cached(0, 0) == [] and hot.cached(1, 0) == []
