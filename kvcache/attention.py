@@ -58,9 +58,14 @@ class HostRead:
 
     positions: torch.Tensor  # [M] entries of the flattened page index that are parked
     slots: torch.Tensor  # [M] their host slots (kept on the host: the copy is issued from there)
+    resident: torch.Tensor  # [N] the other entries, read from the pool (only those)
+    pages: torch.Tensor  # [N] their pool pages
 
     def to(self, device: torch.device) -> HostRead:
-        return HostRead(self.positions.to(device, non_blocking=True), self.slots)
+        move = [
+            t.to(device, non_blocking=True) for t in (self.positions, self.resident, self.pages)
+        ]
+        return HostRead(move[0], self.slots, move[1], move[2])
 
 
 @dataclass
@@ -131,7 +136,10 @@ def _gather(
     out = []
     for cache, buf in ((kv.keys[layer], k_buf), (kv.values[layer], v_buf)):
         paged = cache.view(cache.shape[0], -1, kv.page_size, cache.shape[-1])  # [KVH, NP, ps, D]
-        torch.index_select(paged, 1, page_index, out=buf)
+        if host is None:
+            torch.index_select(paged, 1, page_index, out=buf)
+        else:  # offloaded rows are mostly parked: read only the resident entries from the pool
+            buf.index_copy_(1, host.resident, paged.index_select(1, host.pages))
     if host is not None:  # parked pages: one batched copy from the host tier for this layer
         assert kv.host is not None
         kvh, cap = kv.layout.num_kv_heads, kv.host.capacity_pages

@@ -108,16 +108,16 @@ def group_by_length(
 
 def _host_read(page_index: torch.Tensor, num_pages: int) -> HostRead | None:
     """Parked pages among `page_index` (ids >= num_pages name host slots): where they sit in the
-    flattened index and which host slots to read. Their entries become page 0, overwritten later."""
+    flattened index and which host slots to read, and where the resident ones sit. Parked entries
+    become page 0 in `page_index` (a valid id for what else reads it)."""
     flat = page_index.view(-1)
     if not flat.numel() or int(flat.max()) < num_pages:  # no host tier, or nothing parked
         return None
-    parked = (flat >= num_pages).nonzero().squeeze(-1)
-    if not parked.numel():
-        return None
-    slots = flat[parked] - num_pages
+    is_parked = flat >= num_pages
+    parked, resident = is_parked.nonzero().squeeze(-1), (~is_parked).nonzero().squeeze(-1)
+    read = HostRead(parked, flat[parked] - num_pages, resident, flat[resident])
     flat[parked] = 0
-    return HostRead(parked, slots)
+    return read
 
 
 def _short_queries(
