@@ -363,30 +363,27 @@ class HostPageStore:
     def _read_cells_cuda(
         self, flats: list[torch.Tensor], cells: torch.Tensor
     ) -> list[torch.Tensor]:
-        lay = self.layout
+        """Host gather into pinned staging, then host-to-device on the side stream. The results
+        are allocated on the side stream (so the copy need not wait for queued compute: it
+        overlaps the resident-page gather) and recorded on the compute stream that reads them."""
+        lay, compute, side = self.layout, torch.cuda.current_stream(self.device), self._stream
+        assert side is not None
         cell_numel = lay.page_size * lay.head_dim
         per_chunk = self._staging.numel() // 2 // cell_numel  # cells that fit half the staging
-        out = [
-            torch.empty(
-                (len(cells), lay.page_size, lay.head_dim), dtype=lay.dtype, device=self.device
-            )
-            for _ in flats
-        ]
+        shape = (len(cells), lay.page_size, lay.head_dim)
+        with torch.cuda.stream(side):
+            out = [torch.empty(shape, dtype=lay.dtype, device=self.device) for _ in flats]
         for lo in range(0, len(cells), per_chunk):
             part = cells[lo : lo + per_chunk]
             for i, (flat, dst) in enumerate(zip(flats, out, strict=True)):
                 staged = self._stage_numel(i, len(part) * cell_numel).view(-1, *flat.shape[1:])
                 torch.index_select(flat, 0, part, out=staged)  # CPU gather into pinned memory
-                self._copy_async(staged, dst[lo : lo + len(part)])
+                with torch.cuda.stream(side):
+                    dst[lo : lo + len(part)].copy_(staged, non_blocking=True)
             self._landed()
+        for t in out:  # freed later on the compute stream: not reused before it is done
+            t.record_stream(compute)
         return out
-
-    def _copy_async(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Pinned `src` into device `dst` on the side stream (ordered after queued compute)."""
-        assert self._stream is not None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
 
     def _landed(self) -> None:
         """The compute stream waits for the side stream's copies; staging is busy until then."""
