@@ -65,6 +65,8 @@ class KVPolicyBody(_Body):
     heavy_ratio: float = Field(default=0.5, ge=0, le=1)
     kernel_size: int = Field(default=5, ge=1, le=255)
     dense_layers: int = Field(default=2, ge=0, le=1024)
+    # offload: pool pages of the hot set; a cache the scheduler takes back before preempting
+    hot_pages: int | None = Field(default=None, ge=0, le=1 << 20)
 
 
 class StreamOptions(_Body):

@@ -34,7 +34,7 @@ def wait_healthy(url: str, timeout_s: float = 300) -> None:
 def small_config(**overrides) -> ServiceConfig:
     base = {
         "llm": LLMConfig(
-            engine={"kv_cache_memory": 128 << 20, "max_num_seqs": 16},
+            engine={"kv_cache_memory": 128 << 20, "max_num_seqs": 16, "kv_tier_pages": 64},
             max_ongoing_requests=8,
             max_queued_requests=4,
         ),

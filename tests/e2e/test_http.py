@@ -46,10 +46,13 @@ def test_streaming_gives_the_same_text(client):
 
 
 def test_kv_policies_over_http(client):
-    """Each policy through the `kv_policy` extension, with a budget below the prompt."""
+    """Each policy through the `kv_policy` extension, with a budget below the prompt; Quest with
+    its unselected pages parked in the replica's host tier answers what it answers resident."""
     story = "The keeper of the lighthouse wrote in his log every single evening. " * 12
+    texts = []
     for kv in (
         {"kind": "quest", "budget_tokens": 32},
+        {"kind": "quest", "budget_tokens": 32, "offload": True, "hot_pages": 1},
         {"kind": "sinks", "window": 28, "rerotate": True},
         {"kind": "h2o", "budget_tokens": 48},
         {"kind": "snapkv", "budget_tokens": 48},
@@ -63,6 +66,8 @@ def test_kv_policies_over_http(client):
         )
         assert out.choices[0].finish_reason == "length", kv
         assert out.usage.completion_tokens == 6
+        texts.append(out.choices[0].text)
+    assert texts[1] == texts[0]
 
 
 class Person(BaseModel):

@@ -93,7 +93,7 @@ def test_metrics_are_prometheus_text_summed_over_every_replica(server):
         "structserve_jump_forward_tokens",
         "structserve_forward_passes_saved",
     ):
-        assert counter in fam  # 0 here: no KV tier yet, jump-forward off by default
+        assert counter in fam  # 0 until an offloaded request or jump-forward (off by default) runs
 
 
 def test_one_trace_spans_ingress_replica_and_grammar_service(server, otlp):
