@@ -62,10 +62,10 @@ class HostRead:
     pages: torch.Tensor  # [N] their pool pages
 
     def to(self, device: torch.device) -> HostRead:
-        move = [
+        positions, resident, pages = (
             t.to(device, non_blocking=True) for t in (self.positions, self.resident, self.pages)
-        ]
-        return HostRead(move[0], self.slots, move[1], move[2])
+        )
+        return HostRead(positions, self.slots, resident, pages)
 
 
 @dataclass

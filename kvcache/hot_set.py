@@ -3,11 +3,11 @@ most recently, kept on the device (an LRU per layer and head).
 
 Why per layer and head. Quest picks pages per layer and per KV head. Over 30 layers x 3 heads
 nearly every page of a context is somebody's pick each step, so a hot set of whole pages (every
-layer of a page) mostly holds layers that do not read them: measured, 17-34 % of selections hit.
-So the hot set is made of cells: the request owns `H` pool pages, and cell `(layer, head, way j)`
-is that layer and head of pool page `pages[j]`. Each layer and KV head keeps in its `H` ways the
-parked pages it selected most recently. Device memory is `H` pages, as a hot set of `H` whole
-pages would take, and every layer and head has `H` ways of its own.
+layer of a page) mostly holds layers that do not read them: measured, only 17-34 % of the pages
+read were on the device. So the hot set is made of cells: the request owns `H` pool pages, and
+cell `(layer, head, way j)` is that layer and head of pool page `pages[j]`. Each layer and KV head
+keeps in its `H` ways the parked pages it selected most recently. Device memory is `H` pages, as a
+hot set of `H` whole pages would take, and every layer and head has `H` ways of its own.
 
 Bookkeeping lives on the host, in plain dicts: a layer's selection comes to the host anyway (the
 host issues the read of the misses), and a few hundred dict operations per layer cost less than

@@ -349,12 +349,14 @@ class HostPageStore:
         the engine put these slots in the request's page table; this is the hot path."""
         lay, n = self.layout, int(cells.numel())
         start = time.perf_counter()
-        out = []
-        for src in (self.keys, self.values):
-            flat = src[layer].view(-1, lay.page_size, lay.head_dim)  # [KVH * capacity, ps, D]
-            out.append(flat if self._cuda else flat.index_select(0, cells))
+        # [KVH * capacity, ps, D] per K/V: cell c of this layer is row c
+        flats = [
+            src[layer].view(-1, lay.page_size, lay.head_dim) for src in (self.keys, self.values)
+        ]
         if self._cuda:
-            out = self._read_cells_cuda(out, cells)
+            out = self._read_cells_cuda(flats, cells)
+        else:
+            out = [flat.index_select(0, cells) for flat in flats]
         self._latency_ms.append((time.perf_counter() - start) * 1e3)
         self.cells_recalled += n
         self.bytes_to_device += n * lay.bytes_per_page // (lay.num_layers * lay.num_kv_heads)
