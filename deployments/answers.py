@@ -2,6 +2,11 @@
 
 `ApiError` carries an HTTP status (and, for a 429, the reason telemetry counts); `collect` and
 `sse` read the replica streams of one request's choices and build the answer.
+
+Finish reasons are the engine's own: a choice that failed after its first token (a grammar
+error, masks over budget, an output that failed validation) ends in `"error"`, never `"stop"`,
+and its reason is in `structserve.warnings`, which the last chunk of each streamed choice
+carries too, with `structserve.validated`.
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ async def collect(
     choices = []
     for i, r in enumerate(results):
         obs.add_result(r)
-        reason = r["finish_reason"] if r["finish_reason"] != "error" else "stop"
+        reason = r["finish_reason"]
         if chat:
             message = {"role": "assistant", "content": r["text"]}
             choices.append({"index": i, "message": message, "finish_reason": reason})
@@ -125,13 +130,15 @@ async def sse(
 
     def chunk(index: int, delta: dict[str, Any]) -> str:
         text, reason = delta["delta_text"], delta["finish_reason"]
-        reason = "stop" if reason == "error" else reason
         if chat:
             choice = {"index": index, "delta": {"content": text}, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text, "finish_reason": reason}
-        obj = {"id": rid, "object": kind, "created": created, "model": body.model}
-        return "data: " + json.dumps({**obj, "choices": [choice]}) + "\n\n"
+        obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": body.model}
+        obj["choices"] = [choice]
+        if delta["finished"]:  # like a whole response: the verdict and the warnings
+            obj["structserve"] = {"validated": delta["validated"], "warnings": delta["warnings"]}
+        return "data: " + json.dumps(obj) + "\n\n"
 
     queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
 

@@ -96,6 +96,13 @@ class GrammarService:
         finally:
             _end_verdict_span(span, verdict)
 
+    async def downgrade(
+        self, spec_json: str, tenant: str, scope: str, reason: str, error: str
+    ) -> None:
+        """A replica saw the grammar's masks run over budget while decoding."""
+        spec = GrammarSpec.model_validate_json(spec_json)
+        await asyncio.to_thread(self.service.downgrade, spec, tenant, scope, reason, error)
+
     async def resolve(self, tenant: str, grammar_id: str) -> dict[str, Any]:
         try:
             spec = await asyncio.to_thread(self.service.resolve, tenant, grammar_id)
@@ -184,6 +191,12 @@ class RemoteVerdicts:
         call = self.handle.verdict.remote(spec.model_dump_json(), tenant, scope, fresh, carrier)
         result: Verdict = call.result(timeout_s=REMOTE_TIMEOUT_S)
         return result
+
+    def downgrade(
+        self, spec: GrammarSpec, tenant: str, scope: str, reason: str, error: str
+    ) -> None:
+        call = self.handle.downgrade.remote(spec.model_dump_json(), tenant, scope, reason, error)
+        call.result(timeout_s=REMOTE_TIMEOUT_S)
 
     def resolve(self, tenant: str, grammar_id: str) -> GrammarSpec:
         out = self.handle.resolve.remote(tenant, grammar_id).result(timeout_s=REMOTE_TIMEOUT_S)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from deployments import openapi
 from deployments.answers import ApiError, cancel, collect, error_response, sse
 from deployments.config import ServiceConfig
 from deployments.observe import RequestObs, observe
@@ -86,6 +87,16 @@ def _grammar_view(reg: dict[str, Any], spec: bool = False) -> dict[str, Any]:
     if spec:
         view["spec"] = reg["spec"]
     return view
+
+
+openapi.install(
+    app,
+    {
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/completions": CompletionRequest,
+        "/v1/grammars": GrammarRegistration,
+    },
+)
 
 
 @serve.ingress(app)  # here, not in the builder: the routes must pickle with the class

@@ -100,7 +100,7 @@ class RequestObs:
         self.usage["prompt_tokens"] = delta["prompt_tokens"]
         self.usage["completion_tokens"] += delta["completion_tokens"]
         reason = delta["finish_reason"]
-        self.finish_reasons.append("stop" if reason == "error" else str(reason))
+        self.finish_reasons.append(str(reason))
 
     def finish(self, status: int, error: BaseException | None = None) -> None:
         if self._done:

@@ -32,6 +32,21 @@ from services.telemetry import spans
 log = logging.getLogger(__name__)
 
 
+def refusal_dict(message: str, status: int) -> dict[str, Any]:
+    """A request refused before the engine saw it, in the shape of a last delta."""
+    return {
+        "delta_text": "",
+        "num_delta_tokens": 0,
+        "finished": True,
+        "finish_reason": "error",
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "warnings": [message],
+        "validated": None,
+        "error_status": status,
+    }
+
+
 def delta_dict(out: RequestOutput) -> dict[str, Any]:
     """What crosses the handle for one streamed step (small: no prompt ids, no whole text)."""
     return {
@@ -74,11 +89,11 @@ class LLMReplica:
         request_id: str,
         trace: dict[str, str] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        if messages is not None:
-            prompt_ids: str | list[int] = self.engine.apply_chat_template(messages)
-        else:
-            assert prompt is not None  # the ingress sends one of the two
-            prompt_ids = prompt
+        try:  # off the event loop and the engine thread, after the character cap
+            prompt_ids = await self.llm.encode(prompt, messages)
+        except ValueError as exc:
+            yield refusal_dict(str(exc)[:300], 400)
+            return
         tel = self.tel
         attrs: dict[str, Any] = {
             spans.REQUEST_ID: request_id,

@@ -93,6 +93,14 @@ class LRUBytes:
                 _, (_, dropped) = self._items.popitem(last=False)
                 self.bytes -= dropped
 
+    def pop(self, key: str) -> Any | None:
+        with self._lock:
+            hit = self._items.pop(key, None)
+            if hit is None:
+                return None
+            self.bytes -= hit[1]
+            return hit[0]
+
     def __len__(self) -> int:
         return len(self._items)
 

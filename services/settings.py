@@ -33,3 +33,12 @@ def api_key() -> str | None:
 def redis_url() -> str | None:
     """`REDIS_URL`: the Redis the service uses when its config names none."""
     return os.environ.get("REDIS_URL") or None
+
+
+def worker_env(import_roots: list[str]) -> dict[str, str]:
+    """The environment of a compile worker process: ours, with `import_roots` first on its
+    `PYTHONPATH` and one OpenMP thread (set before torch is imported)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*import_roots, *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

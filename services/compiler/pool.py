@@ -1,56 +1,184 @@
 """A bounded pool of long-lived compile worker processes, each killed and replaced on a deadline.
 
 xgrammar cannot be cancelled, so the only safe deadline is a process boundary: the caller waits on
-the worker's pipe for at most the deadline, then SIGKILLs it and a replacement starts in the
-background. Workers are spawned (not forked: the parent holds threads and torch state).
+the worker's socket for at most the deadline, then SIGKILLs it and a replacement starts in the
+background. Workers run `python -m services.compiler.worker`, our own entry point: multiprocessing's
+spawn would re-import the caller's `__main__` (a script without a main guard, or `python -`, kills
+every worker at start), and fork would copy the parent's threads and torch state.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import queue
+import os
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from multiprocessing.process import BaseProcess
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
-from services.compiler.worker import worker_main
+from services import settings
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # a cold start imports xgrammar and torch
+RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # backoff between failed starts; the last one repeats
+ERROR_CHARS = 300  # of a failed start's stderr, in the refusal
+
+T = TypeVar("T")
+
+
+class _Spawner:
+    """Forks every worker from one thread that lives as long as the process: a child's
+    PR_SET_PDEATHSIG fires when the *thread* that forked it exits, and start threads do not last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._wake = threading.Condition(self._lock)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        fut: Future[T] = Future()
+        with self._lock:
+            # not alive after a fork too: the child process starts its own thread
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="compile-worker-spawner", daemon=True
+                )
+                self._thread.start()
+            self._calls.append((fn, fut))
+            self._wake.notify()
+        return fut.result()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._calls:
+                    self._wake.wait()
+                fn, fut = self._calls.pop(0)
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the caller's thread
+                fut.set_exception(exc)
+
+
+_SPAWNER = _Spawner()
+
+
+def _child_env() -> dict[str, str]:
+    import grammar_registry
+    import services
+
+    # The child imports the same code as this process, whatever its working directory.
+    pkgs = (services, grammar_registry)
+    roots = sorted({str(Path(str(pkg.__file__)).resolve().parents[1]) for pkg in pkgs})
+    return settings.worker_env(roots)
+
+
+# -P (3.11+): the working directory is not put on the child's sys.path, so a stray `xgrammar.py`
+# next to the caller's script cannot shadow the real one.
+_PYTHON_FLAGS = ["-P"] if sys.version_info >= (3, 11) else []
 
 
 class _Worker:
-    def __init__(self, ctx: Any, tokenizer_json: str, memory_bytes: int) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc: BaseProcess = ctx.Process(
-            target=worker_main, args=(child, tokenizer_json, memory_bytes), daemon=True
-        )
-        self.proc.start()
-        child.close()
+    """One worker process and its end of a socketpair, pickled messages both ways."""
 
-    def wait_ready(self, timeout: float) -> bool:
+    def __init__(self, tokenizer_json: str, memory_bytes: int) -> None:
+        self._setup = {"tokenizer_json": tokenizer_json, "memory_bytes": memory_bytes}
+        # Start-up errors (an import failing, the memory cap) land here; after its `ready` the
+        # worker points fd 2 at a capture file of its own.
+        self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed once started)
+        mine, theirs = socket.socketpair()
+        argv = [sys.executable, *_PYTHON_FLAGS, "-m", "services.compiler.worker"]
+        argv += [str(theirs.fileno()), str(os.getpid())]
         try:
-            return bool(self.conn.poll(timeout) and self.conn.recv().get("ready"))
-        except (EOFError, OSError):
-            return False
+            self.proc = _SPAWNER.call(
+                lambda: subprocess.Popen(
+                    argv,
+                    pass_fds=(theirs.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,  # a pipe the caller reads must not stay open
+                    stderr=self.stderr,
+                    env=_child_env(),
+                )
+            )
+        except BaseException:
+            mine.close()
+            self.stderr.close()
+            raise
+        finally:
+            theirs.close()
+        self.conn = Connection(mine.detach())
+
+    def start(self, timeout: float) -> str:
+        """'' once the worker is ready, else why it is not (its stderr tail, or how it ended)."""
+        # The tokenizer info (megabytes) blocks the send until the child reads it: one timer
+        # bounds the send and the handshake together.
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        began = time.monotonic()
+        try:
+            self.conn.send(self._setup)
+            ready = bool(self.conn.recv().get("ready"))
+        except Exception:  # EOF, a broken pipe, a garbled reply: the start failed
+            ready = False
+        finally:
+            timer.cancel()
+        if ready:
+            self.stderr.close()
+            return ""
+        try:  # it is usually exiting already: let it, so its own exit status is the one reported
+            self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            log.debug("compile worker %d still running after a failed start", self.proc.pid)
+        self.kill()
+        code = self.proc.returncode
+        ended = f"exit status {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+        if code == -9 and time.monotonic() - began >= timeout:
+            ended += f": no answer within {timeout:g} s"
+        return _tail(self.stderr, ended)
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.join(timeout=5)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # unkillable (D state): leave it, never hang here
+            log.warning("compile worker %d did not exit after SIGKILL", self.proc.pid)
         self.conn.close()
+
+
+def _tail(stderr: IO[bytes], ended: str) -> str:
+    try:
+        stderr.seek(0)
+        lines = [ln.strip() for ln in stderr.read().decode(errors="replace").splitlines()]
+    except (OSError, ValueError):
+        lines = []
+    finally:
+        stderr.close()
+    # A traceback's last lines name the failing call and the exception: keep the tail, less
+    # 3.11's `^^^^` markers.
+    tail = " | ".join([ln for ln in lines if ln.strip("^~ ")][-3:])
+    text = f"{tail} ({ended})" if tail else ended
+    return text if len(text) <= ERROR_CHARS else "..." + text[-ERROR_CHARS:]
 
 
 class WorkerPool:
     def __init__(self, tokenizer_json: str, workers: int = 2, memory_bytes: int = 4 << 30) -> None:
-        self._ctx = mp.get_context("spawn")
         self._tokenizer_json = tokenizer_json
         self._memory = memory_bytes
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._all: set[_Worker] = set()  # idle or busy: close() kills them all
+        self._cond = threading.Condition()
+        self._idle: list[_Worker] = []
+        self._all: set[_Worker] = set()  # starting, idle or busy: close() kills them all
+        self._busy = 0
+        self._start_error = ""  # why the last start failed; '' after one succeeded
         self._closed = False
         self.size = workers
         self.kills = 0
@@ -58,38 +186,86 @@ class WorkerPool:
         for _ in range(workers):
             self._start_one()
 
-    def _start_one(self) -> None:
-        def start() -> None:
-            while not self._closed:
-                worker = _Worker(self._ctx, self._tokenizer_json, self._memory)
-                self._all.add(worker)
-                if worker.wait_ready(START_TIMEOUT_S) and not self._closed:
-                    self._idle.put(worker)
-                    return
-                if self._closed:  # closed while it started: nobody else will kill it
-                    self._all.discard(worker)
-                    worker.kill()
-                    return
-                log.error("compile worker failed to start; retrying")
-                self._all.discard(worker)
-                worker.kill()
-                time.sleep(1.0)
+    @property
+    def start_error(self) -> str:
+        """Why the last worker start failed ('' once one started)."""
+        return self._start_error
 
-        threading.Thread(target=start, name="compile-worker-start", daemon=True).start()
+    def _start_one(self) -> None:
+        threading.Thread(
+            target=self._keep_starting, name="compile-worker-start", daemon=True
+        ).start()
+
+    def _keep_starting(self) -> None:
+        attempt, logged = 0, ""
+        while not self._closed:
+            worker, error = self._try_start()
+            with self._cond:
+                if worker is not None and (error or self._closed):
+                    self._all.discard(worker)
+                if self._closed:  # closed while it started: nobody else will kill it
+                    if worker is not None:
+                        worker.kill()
+                    return
+                if not error and worker is not None:
+                    self._start_error = ""
+                    self._idle.append(worker)
+                    self._cond.notify_all()
+                    return
+                self._start_error = error
+                self._cond.notify_all()  # callers waiting for a worker are answered now
+            if error != logged:  # once per distinct failure, not once per retry
+                log.error("compile worker failed to start, retrying: %s", error)
+                logged = error
+            self._sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
+            attempt += 1
+
+    def _try_start(self) -> tuple[_Worker | None, str]:
+        try:
+            worker = _Worker(self._tokenizer_json, self._memory)
+        except OSError as exc:  # no interpreter, no fds, no memory to fork
+            return None, f"could not run {sys.executable}: {exc}"
+        with self._cond:
+            self._all.add(worker)  # from now on close() kills it
+        return worker, worker.start(START_TIMEOUT_S)
+
+    def _sleep(self, seconds: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed, seconds)
+
+    def _take(self, wait_s: float) -> _Worker | dict[str, Any]:
+        """An idle worker, or the refusal to answer with."""
+        end = time.monotonic() + wait_s
+        with self._cond:
+            while not self._idle:
+                # No worker can free up: answer now rather than after `wait_s`.
+                if self._start_error and self._busy == 0:
+                    error = f"compile workers cannot start: {self._start_error}"
+                    return {"ok": False, "reason": "unavailable", "error": error}
+                left = end - time.monotonic()
+                if self._closed or left <= 0:
+                    return {
+                        "ok": False,
+                        "reason": "busy",
+                        "error": "no compile worker free; try later",
+                    }
+                self._cond.wait(left)
+            self._busy += 1
+            return self._idle.pop()
 
     def run(self, job: dict[str, Any], deadline_s: float, wait_s: float) -> dict[str, Any]:
         """The worker's answer, or a refusal: `busy` when no worker frees up within `wait_s`,
-        `timeout` when the compile runs past `deadline_s`, `crash` when the worker dies."""
-        try:
-            worker = self._idle.get(timeout=wait_s)
-        except queue.Empty:
-            return {"ok": False, "reason": "busy", "error": "no compile worker free; try later"}
+        `unavailable` at once when workers cannot start, `timeout` when the compile runs past
+        `deadline_s`, `crash` when the worker dies."""
+        worker = self._take(wait_s)
+        if isinstance(worker, dict):
+            return worker
         self.jobs += 1
         try:
             worker.conn.send(job)
             if worker.conn.poll(deadline_s):
                 result: dict[str, Any] = worker.conn.recv()
-                self._idle.put(worker)
+                self._give_back(worker, keep=True)
                 for line in result.pop("log", []):
                     log.debug("xgrammar: %s", line)
                 return result
@@ -97,20 +273,31 @@ class WorkerPool:
         except Exception:  # EOF, a broken pipe, an unreadable reply: the worker is not trusted
             reason, error = "crash", "the compile worker died (memory cap or a backend fault)"
         self.kills += 1
-        self._all.discard(worker)
+        self._give_back(worker, keep=False)
         worker.kill()
         self._start_one()
         return {"ok": False, "reason": reason, "error": error}
 
+    def _give_back(self, worker: _Worker, keep: bool) -> None:
+        with self._cond:
+            self._busy -= 1
+            if keep and not self._closed:
+                self._idle.append(worker)
+                self._cond.notify()
+            else:
+                self._all.discard(worker)
+
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> bool:
         """True once every worker is up (for tests and start-up checks)."""
-        end = time.monotonic() + timeout
-        while self._idle.qsize() < self.size and time.monotonic() < end:
-            time.sleep(0.05)
-        return self._idle.qsize() >= self.size
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._idle) >= self.size, timeout)
 
     def close(self) -> None:
-        self._closed = True
-        for worker in list(self._all):
+        with self._cond:
+            self._closed = True
+            workers = list(self._all)
+            self._all.clear()
+            self._idle.clear()
+            self._cond.notify_all()
+        for worker in workers:
             worker.kill()
-        self._all.clear()

@@ -54,6 +54,10 @@ class VerdictSource(Protocol):
 
     def key(self, spec: GrammarSpec, scope: str = ...) -> str: ...
 
+    def downgrade(
+        self, spec: GrammarSpec, tenant: str, scope: str, reason: str, error: str
+    ) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -198,6 +202,25 @@ class ServiceGrammarProvider:
             return None
         self.stats["blob"] += 1
         return handle
+
+    def downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
+        """Forgets the compiled grammar here at once; the refusal reaches the verdict cache on a
+        resolver thread (a registered grammar's spec may need a remote lookup first)."""
+        if spec.grammar_id is None:
+            try:
+                self.l1.pop(self.service.key(to_spec(spec), "shared"))
+            except (GrammarError, ValueError):
+                return  # it never compiled, so nothing holds it
+        self._pool.submit(self._downgrade, spec, tenant, error)
+
+    def _downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
+        try:
+            gspec, scope = self._spec(spec, tenant)
+            self.l1.pop(self.service.key(gspec, scope))
+            detail = str(error).removeprefix(f"structured.{spec.kind}: ")
+            self.service.downgrade(gspec, tenant, scope, error.reason, detail)
+        except Exception:  # the cache keeps the old verdict: the next request meets it again
+            log.warning("grammar cache: downgrading a verdict failed", exc_info=True)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -46,8 +46,9 @@ STATUS = {
     "memory": 422,
     "crash": 422,
     "busy": 429,
+    "unavailable": 503,
 }
-_NOT_CACHED = ("busy",)  # a verdict about the service's load, not the grammar
+_NOT_CACHED = ("busy", "unavailable")  # about the service's state, not the grammar
 # Refusals that depend on how loaded the machine was: cached for the tenant that met them only,
 # so one tenant saturating the workers cannot poison a grammar for everyone.
 _LOAD_DEPENDENT = ("timeout", "slow_mask", "memory", "crash")
@@ -144,7 +145,8 @@ class CompileService:
         key = self.key(spec, scope)
         mine = f"{key}:tenant:{tenant}"
         if not fresh:
-            for k in (key, mine):
+            # the tenant's own refusal first: a runtime downgrade overrides a shared "ok"
+            for k in (mine, key):
                 level, cached = "recent", self.recent.get(k)
                 if cached is None:
                     level, cached = "redis", self.verdicts.get(k)
@@ -181,6 +183,16 @@ class CompileService:
                 del self._inflight[key]
                 self._per_tenant[tenant] -= 1
 
+    def downgrade(
+        self, spec: GrammarSpec, tenant: str, scope: str, reason: str, error: str
+    ) -> None:
+        """Replaces the tenant's verdict with a refusal that decoding showed (masks over the
+        budget): kept for the tenant that met it only, like every load-dependent refusal."""
+        mine = f"{self.key(spec, scope)}:tenant:{tenant}"
+        verdict = Verdict(ok=False, reason=reason, error=error)
+        self.verdicts.put(mine, verdict)
+        self._remember(mine, verdict)
+
     def _remember(self, key: str, verdict: Verdict) -> None:
         self.recent.put(key, verdict, len(verdict.blob or b"") + 1024)
 
@@ -203,7 +215,7 @@ class CompileService:
         }
         start = time.perf_counter()
         out = self.pool.run(job, cfg.deadline_s, cfg.queue_wait_s)
-        if out.get("reason") != "busy":  # busy: no compile ran
+        if out.get("reason") not in ("busy", "unavailable"):  # then no compile ran
             seconds = out.get("compile_s") or time.perf_counter() - start
             outcome = "ok" if out["ok"] else out["reason"]
             labels = {"kind": spec.kind, "outcome": outcome, "where": "worker"}

@@ -1,16 +1,20 @@
 """A compile worker process: compiles one grammar at a time, probes its masks, returns a verdict.
 
-It receives the serialized tokenizer info once at start, caps its own address space, and answers
-jobs on a pipe until the pool closes it. The pool kills it when a compile runs past its deadline;
-nothing here needs to be interruptible.
+Run as `python -m services.compiler.worker FD PARENT_PID` by the pool (pool.py), FD being its end of
+a socketpair. It receives the serialized tokenizer info as the first message, caps its own address
+space, and answers jobs until the pool closes the socket or dies. The pool kills it when a compile
+runs past its deadline; nothing here needs to be interruptible.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import resource
+import signal
 import statistics
+import sys
 import time
 import zlib
 from multiprocessing.connection import Connection
@@ -18,6 +22,32 @@ from typing import Any
 
 # Probe defaults: a few steps of masks along a random path through the grammar.
 PROBE_STEPS = 8
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def main(argv: list[str]) -> None:
+    """The entry point the pool runs: `FD PARENT_PID`."""
+    fd, parent = int(argv[0]), int(argv[1])
+    _die_with_parent(parent)
+    conn = Connection(fd)
+    try:
+        setup = conn.recv()
+    except EOFError:  # the pool gave up on this start
+        return
+    worker_main(conn, setup["tokenizer_json"], setup["memory_bytes"])
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this worker when the pool's process dies, even mid-compile: EOF on the socket only
+    reaches a worker between jobs, and a hostile compile can run for minutes."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl in this libc: EOF still ends the worker
+        return
+    if os.getppid() != parent:  # the pool died before prctl took effect: no signal will come
+        os._exit(1)
 
 
 def worker_main(conn: Connection, tokenizer_json: str, memory_bytes: int) -> None:
@@ -31,7 +61,7 @@ def worker_main(conn: Connection, tokenizer_json: str, memory_bytes: int) -> Non
     backend = XGrammarBackend(
         tokenizer_info=xgr.TokenizerInfo.deserialize_json(tokenizer_json), cache=False
     )
-    backend_log = _capture_stderr()  # after start-up: its errors stay visible
+    backend_log = _capture_stderr()  # after start-up: the pool reports the errors before it
     conn.send({"ready": True, "pid": os.getpid()})
     while True:
         try:
@@ -109,8 +139,8 @@ def compile_job(backend: Any, job: dict[str, Any]) -> dict[str, Any]:
 def probe_masks(
     backend: Any, compiled: Any, steps: int, seed: int, stop_above_ms: float = float("inf")
 ) -> float:
-    """The median mask time (ms) over the first `steps` masks along a seeded random path; a
-    single mask slower than `stop_above_ms` ends the probe and is the answer."""
+    """The median mask time (ms) over the first `steps` choice points along a seeded random path;
+    a single mask slower than `stop_above_ms` ends the probe and is the answer."""
     import torch
 
     state = backend.new_state(compiled)
@@ -118,7 +148,12 @@ def probe_masks(
     rng = random.Random(seed)
     times = []
     for _ in range(steps):
-        if state.is_terminated():
+        if state.is_terminated():  # a terminated matcher raises on any further call
+            break
+        # Text the grammar forces costs one cheap mask per token: timing it would let a long
+        # literal prefix hide the slow part behind it from every probe step.
+        forced = state.jump_forward()
+        if forced and not state.accept_string(forced):
             break
         start = time.perf_counter()
         state.fill_bitmask(bitmask, 0)
@@ -131,3 +166,7 @@ def probe_masks(
         if not allowed or not state.accept_token(rng.choice(allowed)):
             break
     return statistics.median(times) if times else 0.0
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -6,19 +6,28 @@ stream` yields `RequestOutput`s whose `delta_text`/`delta_token_ids` hold what i
 
 The engine thread admits each request inside a copy of the caller's `contextvars` context, so
 code on the admission path (a grammar provider starting a trace span) sees the caller's context.
+
+Prompts are templated and tokenized by `encode`, on a small pool of their own: neither the
+caller's event loop nor the engine thread pays for a long prompt. A step that fails as a whole
+has already failed every request (each stream gets its error output); the loop then goes on,
+unless the fault was the engine's own (out of memory, the device), when it stops and every
+stream, and every request still arriving, gets `EngineDeadError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from services.engine.boundary import is_engine_fault
 from services.engine.engine import LLMEngine, Prompt
 from services.engine.params import RequestOutput, SamplingParams
 
@@ -39,7 +48,10 @@ class RequestStream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            log.debug("stream %s: its event loop is closed", self.request_id)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -74,8 +86,23 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._counter = 0
         self._lock = threading.Lock()
+        self._encoders = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self._thread = threading.Thread(target=self._run, name="structserve-engine", daemon=True)
         self._thread.start()
+
+    async def encode(
+        self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a prompt or of chat messages (templated); `ValueError` naming the field
+        when they are over `max_prompt_chars` or the template refuses them."""
+        engine = self.engine
+        if messages is not None:
+            call = functools.partial(engine.apply_chat_template, messages)
+        elif prompt is not None:
+            call = functools.partial(engine.tokenize, prompt)
+        else:
+            raise ValueError("prompt: give a prompt or messages")
+        return await asyncio.get_running_loop().run_in_executor(self._encoders, call)
 
     @property
     def tokenizer(self) -> Any:
@@ -89,13 +116,13 @@ class AsyncLLM:
         tenant: str = "default",
     ) -> RequestStream:
         """Queues a request; must be called from a running event loop."""
-        if self._error is not None:
-            raise EngineDeadError("the engine loop has stopped") from self._error
-        with self._lock:
+        with self._lock:  # against the loop stopping in between: nobody would answer it
+            if self._error is not None:
+                raise EngineDeadError("the engine loop has stopped") from self._error
             self._counter += 1
             request_id = request_id or f"async-{self._counter}"
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._commands.put(_Add(prompt, params, stream, tenant, contextvars.copy_context()))
+            stream = RequestStream(self, request_id, asyncio.get_running_loop())
+            self._commands.put(_Add(prompt, params, stream, tenant, contextvars.copy_context()))
         return stream
 
     async def generate(
@@ -115,6 +142,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self._encoders.shutdown(wait=False, cancel_futures=True)
         self.engine.grammars.shutdown()
 
     # -- the engine thread ---------------------------------------------------------------------
@@ -122,14 +150,45 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while self._drain_commands(block=not self.engine.has_unfinished()):
-                for req in self.engine.step():
-                    self._deliver(req.request_id)
+                self._step()
         except BaseException as exc:  # the loop must not die silently: fail every stream
-            log.exception("engine loop failed")
-            self._error = exc
-            for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"engine loop failed: {exc!r}"))
-            self._streams.clear()
+            log.exception("engine loop stopped")
+            self._stop(exc)
+
+    def _step(self) -> None:
+        try:
+            updated = self.engine.step()
+        except Exception as exc:
+            fatal = is_engine_fault(exc)
+            if fatal:  # dead before anyone hears of it: later requests are refused at once
+                with self._lock:
+                    self._error = exc
+            # `step` failed every request already: each stream gets its error output
+            for rid in list(self._streams):
+                self._deliver(rid)
+            if fatal:
+                raise
+            log.exception("engine step failed; its requests were failed, the loop goes on")
+            return
+        for req in updated:
+            self._deliver(req.request_id)
+
+    def _stop(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = self._error or exc
+            pending = []
+            while True:  # adds queued before the error was set: answered here, never dropped
+                try:
+                    pending.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+        dead = EngineDeadError(f"engine loop failed: {exc!r}")
+        for stream in list(self._streams.values()):
+            stream.put(dead)
+        self._streams.clear()
+        for cmd in pending:
+            if isinstance(cmd, _Add):
+                cmd.stream.put(dead)
 
     def _drain_commands(self, block: bool) -> bool:
         """Applies queued adds and aborts; False when asked to stop."""
@@ -168,7 +227,13 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if req is None or stream is None:
             return
-        stream.put(self.engine.make_output(req))
-        if req.finished:
+        try:
+            self.engine.check_fault("output", req)
+            out = self.engine.make_output(req)
+        except Exception as exc:  # this request's output: it ends with an error, alone
+            log.warning("request %s: output failed (%r)", request_id, exc)
+            out = self.engine.error_output(req, f"output: internal error ({exc!r})"[:300])
+        stream.put(out)
+        if out.finished:
             del self._streams[request_id]
             self.engine.release(request_id)

@@ -33,6 +33,12 @@ class EngineConfig:
     # 0: no tier (offload is refused). `kv_tier_tenant_pages` caps each tenant's share.
     kv_tier_pages: int = 0
     kv_tier_tenant_pages: int | None = None
+    # Containment (services/engine/boundary.py). A request whose masks slower than
+    # `mask_budget_ms` add up to `mask_strikes` budgets fails (422) and its grammar is refused.
+    mask_budget_ms: float = 20.0
+    mask_strikes: float = 3.0
+    validation_timeout_s: float = 1.0  # JSON output validation; later: validated=False
+    max_prompt_chars: int | None = None  # None: 32 characters per token of max_model_len
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -47,6 +53,11 @@ class EngineConfig:
             raise ValueError("grammar_workers: must be >= 0")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory: must be a positive number of bytes")
+        for name in ("mask_budget_ms", "mask_strikes", "validation_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars: must be >= 1")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

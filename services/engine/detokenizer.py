@@ -3,6 +3,10 @@
 Decoding the whole output every step is quadratic; instead, as vLLM does, decode a short window
 (`prefix_offset:`) and emit what grew past the text already read. A window that ends inside a
 multi-byte character decodes to U+FFFD and is held back until the next token completes it.
+
+Stop strings are matched by `StopMatcher`, which reads each new character once: rescanning a tail
+as long as the longest stop string, or testing every prefix of every stop string for the held-back
+tail, costs a tenant-chosen amount per token on the engine thread, paid by the whole batch.
 """
 
 from __future__ import annotations
@@ -18,8 +22,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._stop = stop
-        self._max_stop = max((len(s) for s in stop), default=0)
+        self._stop = StopMatcher(stop) if stop else None
         self.text = ""
         self._emitted = 0  # characters of `text` already handed to the caller
         self.stopped = False
@@ -44,12 +47,11 @@ class IncrementalDetokenizer:
             self._check_stop(before)
 
     def _check_stop(self, before: int) -> None:
-        if not self._stop:
+        if self._stop is None:
             return
-        start = max(0, before - self._max_stop + 1)
-        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+        cut = self._stop.feed(self.text, before)
+        if cut is not None:
+            self.text = self.text[:cut]
             self.stopped = True
 
     def take_delta(self, final: bool) -> str:
@@ -63,10 +65,53 @@ class IncrementalDetokenizer:
         return delta
 
     def _partial_stop_len(self) -> int:
-        longest = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
+        return self._stop.partial if self._stop is not None else 0
+
+
+class StopMatcher:
+    """Knuth-Morris-Pratt over several patterns: for each stop string, how many of its first
+    characters the text ends with. Feeding a character is amortized O(1) per stop string."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._fail = [_failure(s) for s in stops]
+        self._matched = [0] * len(stops)
+
+    @property
+    def partial(self) -> int:
+        """The longest tail of the text that could still become a stop string."""
+        return max(self._matched, default=0)
+
+    def feed(self, text: str, start: int) -> int | None:
+        """Reads `text[start:]` (the new characters); the index where the text must be cut (the
+        start of the first stop string completed, the longest when several end together)."""
+        for pos in range(start, len(text)):
+            ch = text[pos]
+            cut = None
+            for i, stop in enumerate(self._stops):
+                k, fail = self._matched[i], self._fail[i]
+                while k and stop[k] != ch:
+                    k = fail[k - 1]
+                if stop[k] == ch:
+                    k += 1
+                if k == len(stop):
+                    first = pos + 1 - k
+                    cut = first if cut is None else min(cut, first)
+                    k = fail[k - 1]
+                self._matched[i] = k
+            if cut is not None:
+                return cut
+        return None
+
+
+def _failure(pattern: str) -> list[int]:
+    """`fail[i]`: the longest proper prefix of `pattern[: i + 1]` that is also its suffix."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail

@@ -2,6 +2,10 @@
 
 `step()` is the whole loop body: schedule, run the model, sample, update. Everything else here is
 request bookkeeping: admission checks, stop conditions, outputs and freeing pages.
+
+Whatever belongs to one request runs inside the failure boundary (`boundary.py`): it fails that
+request alone (`finish_reason="error"`, the cause in `warnings`, its pages freed) and the batch
+goes on. A fault of the whole engine fails every request before it propagates (`fail_all`).
 """
 
 from __future__ import annotations
@@ -9,30 +13,32 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvcache.policies import new_state
+from services.engine import admission, isolation
+from services.engine.admission import Prompt
+from services.engine.boundary import Boundary, RequestError
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.grammar.manager import GrammarManager
+from services.engine.grammar.manager import Failure, GrammarManager
 from services.engine.grammar.provider import GrammarProvider
 from services.engine.kv_offload import OffloadManager
 from services.engine.model_runner import ModelRunner
-from services.engine.params import FinishReason, KVPolicy, RequestOutput, SamplingParams
-from services.engine.request import Request
-from services.engine.sampler import Sampler
-from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from services.engine.params import FinishReason, RequestOutput, SamplingParams
+from services.engine.request import Request, RequestStatus
+from services.engine.sampler import Sampled, Sampler
+from services.engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from services.kv_tier import HostPageStore
 from services.models import LoadedModel
 
 log = logging.getLogger(__name__)
-
-Prompt = str | Sequence[int]
-# Streams under a re-rotating policy have no context limit of their own: this caps them
-STREAM_LIMIT = 1 << 24
 
 
 class LLMEngine:
@@ -69,8 +75,14 @@ class LLMEngine:
             provider=grammar_provider,
             workers=config.grammar_workers,
             redis_url=config.grammar_redis_url,
+            mask_budget_ms=config.mask_budget_ms,
+            mask_strikes=config.mask_strikes,
+            validation_timeout_s=config.validation_timeout_s,
         )
+        self.boundary = Boundary(self._fail)
+        self.grammars.check = self.check_fault
         self.requests: dict[str, Request] = {}
+        self.validating: list[Request] = []  # finished, their output being validated
         self._ids = itertools.count()
         self.kv_tier: HostPageStore | None = None
         self.offload: OffloadManager | None = None
@@ -85,6 +97,19 @@ class LLMEngine:
             self.offload = OffloadManager(kv, self.kv_tier, self.scheduler)
             self.scheduler.on_release = self.offload.release
             self.scheduler.reclaim = self.offload.reclaim
+        self.limits = admission.Limits(
+            page_size=config.page_size,
+            pool_tokens=pool_tokens,
+            model_len=model_len,
+            max_model_len=self.max_model_len,
+            configured_len=config.max_model_len,
+            vocab_size=self.runner.vocab_size,
+            max_prompt_chars=config.max_prompt_chars
+            or admission.CHARS_PER_TOKEN * self.max_model_len,
+            tier_pages=self.kv_tier.capacity_pages if self.kv_tier is not None else None,
+            pool_pages=self.runner.kv.num_pages,
+            can_rerotate=self.runner.rotate is not None,
+        )
 
     def _eos_token_ids(self) -> frozenset[int]:
         model = self.runner.model
@@ -93,17 +118,13 @@ class LLMEngine:
     # -- requests in -------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return [int(t) for t in prompt]
+        """Token ids of a prompt, after the character cap (`ValueError` naming the field).
+        Thread-safe: servers call it off the engine thread."""
+        return admission.tokenize(self.tokenizer, prompt, self.limits.max_prompt_chars)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        """The chat template applied and tokenized, after the same character cap."""
+        return admission.chat_ids(self.tokenizer, messages, self.limits.max_prompt_chars)
 
     def add_request(
         self,
@@ -112,96 +133,53 @@ class LLMEngine:
         request_id: str | None = None,
         tenant: str = "default",
     ) -> Request:
+        """Queues a request. One refused on its own comes back finished with an error (the
+        reason in `warnings`); only a duplicate `request_id` raises."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        prompt_ids = self.tokenize(prompt)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(params.seed)
         req = Request(
             request_id=request_id,
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=[],
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop or ()),  # type: ignore[arg-type]
+            detokenizer=IncrementalDetokenizer(self.tokenizer, [], ()),
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            generator=generator,
             tenant=tenant,
         )
-        req.kv_state = new_state(params.kv, self.config.page_size)
         self.requests[request_id] = req
-        refusal = self._refusal(req)
+        with self.boundary.request(req) as stage:
+            stage("admit")
+            self._admit(req, prompt)
+        return req
+
+    def _admit(self, req: Request, prompt: Prompt) -> None:
+        params = req.params
+        try:
+            req.prompt_token_ids = self.tokenize(prompt)
+        except ValueError as exc:
+            raise RequestError(str(exc), status=400) from exc
+        req.token_ids = list(req.prompt_token_ids)
+        req.metrics.num_prompt_tokens = req.num_prompt_tokens
+        req.detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            req.prompt_token_ids,
+            params.stop or (),  # type: ignore[arg-type]
+        )
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device)
+            req.generator.manual_seed(params.seed)
+        req.kv_state = new_state(params.kv, self.config.page_size)
+        refusal = admission.refusal(req, self.limits)
         if refusal:
-            req.warnings.append(refusal)
-            req.error_status = 400
-            self._finish(req, "error")
-            return req
+            raise RequestError(refusal, status=400)
         if req.kv_state is not None and req.kv_state.policy.offload:
             assert self.offload is not None  # `_refusal` checked
             refusal = self.offload.admit(req)
             if refusal:
-                req.warnings.append(refusal)
-                req.error_status = 429
-                self._finish(req, "error")
-                return req
+                raise RequestError(refusal, status=429)
         if params.structured is not None:
             self.grammars.attach(req)
         self.scheduler.add(req)
-        return req
-
-    def _refusal(self, req: Request) -> str | None:
-        params, n = req.params, req.num_prompt_tokens
-        if n == 0:
-            return "prompt: is empty"
-        vocab = self.runner.vocab_size
-        if bad := [t for t in req.prompt_token_ids if not 0 <= t < vocab]:
-            return f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-        limit = self.max_model_len
-        if req.kv_state is not None:
-            refusal = self._kv_refusal(req.kv_state.policy)
-            if refusal:
-                return refusal
-            limit = req.context_limit = self._context_limit(req.kv_state.policy)
-        if n + params.max_tokens > limit:
-            return (
-                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"maximum context of {limit} tokens"
-            )
-        snapkv = req.kv_state is not None and req.kv_state.policy.kind == "snapkv"
-        if snapkv and n > self.pool_tokens:  # the whole prompt is cached until it has voted
-            return f"prompt: {n} tokens do not fit the KV pool ({self.pool_tokens} tokens)"
-        return None
-
-    def _kv_refusal(self, kv: KVPolicy) -> str | None:
-        ps = self.config.page_size
-        if kv.page_size is not None and kv.page_size != ps:
-            return f"kv.page_size: must equal the engine's page size ({ps}), got {kv.page_size}"
-        if kv.offload and self.offload is None:
-            return "kv.offload: this engine has no host page tier (set kv_tier_pages)"
-        if kv.rerotate and self.runner.rotate is None:
-            return "kv.rerotate: this model has no rotary embedding to re-rotate keys with"
-        if kv.bounded and kv.budget + ps > min(self.pool_tokens, self.model_len):
-            return (
-                f"kv.budget_tokens: {kv.budget} (+ one page) exceeds the KV pool or the model's "
-                f"context ({min(self.pool_tokens, self.model_len)} tokens)"
-            )
-        return None
-
-    def _context_limit(self, kv: KVPolicy) -> int:
-        """Bounded policies hold budget + one page, whatever the length; positions still grow,
-        except under `rerotate`, where they stay inside the cache (StreamingLLM)."""
-        if kv.offload:  # parked pages live on the host: the pool no longer caps the context
-            assert self.kv_tier is not None
-            tier_tokens = (
-                self.runner.kv.num_pages + self.kv_tier.capacity_pages
-            ) * self.config.page_size
-            return min(self.config.max_model_len or self.model_len, self.model_len, tier_tokens)
-        if not kv.bounded:
-            return self.max_model_len
-        if kv.rerotate:
-            return self.config.max_model_len or STREAM_LIMIT
-        return min(self.config.max_model_len or self.model_len, self.model_len)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -209,32 +187,41 @@ class LLMEngine:
             self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.validating)
 
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """One forward pass; returns the requests that produced tokens or finished."""
+        """One forward pass; returns the requests that produced tokens or finished. A fault no
+        single request owns fails every request, then propagates."""
+        try:
+            return self._step()
+        except Exception as exc:
+            self.fail_all(f"engine: the step failed ({type(exc).__name__}: {exc})"[:300])
+            raise
+
+    def _step(self) -> list[Request]:
         failed = self._resolve_grammars()
         sched = self.scheduler.schedule()
         if not sched.chunks:
-            self.grammars.wait_for_compiles(timeout=0.01)
-            return failed
+            self.grammars.wait(0.01, self.validating)
+            return failed + self._validated()
         self._mark_scheduled(sched)
         sampling = [c.request for c in sched.chunks if c.samples]
         masks = self.grammars.start_masks(sampling)  # filled on a worker while the forward runs
-        logits = self.runner.forward(sched.chunks)
-        self.grammars.apply_masks(masks, logits)
-        tokens = self.sampler(logits, sampling)
+        logits = isolation.forward(
+            self.runner, self.boundary, sched.chunks, sampling, self.check_fault
+        )
+        self._fail_each(self.grammars.apply_masks(masks, logits))
+        tokens = isolation.sample(self.sampler, logits, sampling)
         updated = self._update(sched, sampling, tokens)
         self._apply_kv_policies(sched)
-        return failed + updated
+        return failed + updated + self._validated()
 
     def _resolve_grammars(self) -> list[Request]:
-        failed = self.grammars.resolve()
-        for req in failed:
-            self._finish(req, "error")
-        return failed
+        failures = self.grammars.resolve()
+        self._fail_each(failures)
+        return [f.request for f in failures]
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.perf_counter()
@@ -243,28 +230,43 @@ class LLMEngine:
                 c.request.metrics.first_scheduled_time = now
 
     def _update(
-        self, sched: SchedulerOutput, sampling: list[Request], tokens: list[int]
+        self, sched: SchedulerOutput, sampling: list[Request], sampled: Sampled
     ) -> list[Request]:
         for c in sched.chunks:
-            c.request.num_computed_tokens += c.num_tokens
+            if not c.request.finished:
+                c.request.num_computed_tokens += c.num_tokens
         now = time.perf_counter()
-        for req, token in zip(sampling, tokens, strict=True):
+        for i, (req, token) in enumerate(zip(sampling, sampled.tokens, strict=True)):
+            if req.finished:  # failed earlier in this step
+                continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            reason = self.grammars.accept(req, token)
-            new = [token]
-            if reason is None and self.config.jump_forward:
-                room = min(
-                    req.params.max_tokens - req.num_output_tokens,
-                    (req.context_limit or self.max_model_len) - req.num_tokens,
-                )
-                new = self.grammars.jump_forward(req, token, room)
-            req.token_ids.extend(new)
-            req.detokenizer.add_tokens(new)
-            reason = reason or self._stop_reason(req, new[-1])
-            if reason:
-                self._finish(req, reason)
+            with self.boundary.request(req) as stage:
+                stage("sample")
+                if i in sampled.failed:
+                    raise RequestError(sampled.failed[i])
+                self._advance(req, token, stage)
         return sampling
+
+    def _advance(self, req: Request, token: int, stage: Any) -> None:
+        """Appends one sampled token (or the span jump-forward makes of it) and checks stops."""
+        stage("accept")
+        reason = self.grammars.accept(req, token)
+        new = [token]
+        if reason is None and self.config.jump_forward:
+            stage("jump_forward")
+            room = min(
+                req.params.max_tokens - req.num_output_tokens,
+                (req.context_limit or self.max_model_len) - req.num_tokens,
+            )
+            new = self.grammars.jump_forward(req, token, room)
+        req.token_ids.extend(new)
+        stage("detokenize")  # stop strings are matched as the text grows
+        req.detokenizer.add_tokens(new)
+        stage("stop")
+        reason = reason or self._stop_reason(req, new[-1])
+        if reason:
+            self._finish(req, reason)
 
     def _apply_kv_policies(self, sched: SchedulerOutput) -> None:
         """Bounded policies evict after each step that filled their slack; pages go back.
@@ -274,10 +276,14 @@ class LLMEngine:
             req, state = c.request, c.request.kv_state
             if state is None or req.finished:
                 continue
-            if state.impl.should_compact(state, req.num_computed_tokens, req.num_prompt_tokens, ps):
-                self.scheduler.release_pages(req, self.runner.compact(req))
-            if state.tier is not None and self.offload is not None:
-                self.offload.after_step(req)
+            with self.boundary.request(req) as stage:
+                stage("kv_compact")
+                computed, prompt = req.num_computed_tokens, req.num_prompt_tokens
+                if state.impl.should_compact(state, computed, prompt, ps):
+                    self.scheduler.release_pages(req, self.runner.compact(req))
+                if state.tier is not None and self.offload is not None:
+                    stage("kv_offload")
+                    self.offload.after_step(req)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         if token in req.eos_token_ids or token in (req.params.stop_token_ids or ()):
@@ -289,12 +295,53 @@ class LLMEngine:
             return "length"
         return None
 
+    # -- endings -------------------------------------------------------------------------------
+
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
         req.metrics.finished_time = time.perf_counter()
         req.metrics.num_output_tokens = req.num_output_tokens
         self.scheduler.finish(req)
-        self.grammars.validate(req)
+        if self.grammars.start_validation(req):
+            self.validating.append(req)
+
+    def _fail(self, req: Request, reason: str, status: int) -> None:
+        """Ends one request with an error; the rest of the batch is untouched."""
+        if req.finished:
+            return
+        req.warnings.append(reason)
+        req.error_status = status
+        self._finish(req, "error")
+
+    def _fail_each(self, failures: list[Failure]) -> None:
+        for f in failures:
+            self._fail(f.request, f.reason, f.status)
+
+    def check_fault(self, stage: str, req: Request) -> None:
+        if self.boundary.faults is not None:
+            self.boundary.faults.check(stage, req)
+
+    def _validated(self) -> list[Request]:
+        """Requests whose output validation has its verdict (their last output can go)."""
+        if not self.validating:
+            return []
+        done = [r for r in self.validating if self.grammars.finish_validation(r)]
+        if done:
+            self.validating = [r for r in self.validating if r.validation is not None]
+        return done
+
+    def fail_all(self, reason: str) -> None:
+        """Ends every request with an error (503: try again); the engine is empty afterwards."""
+        for req in list(self.requests.values()):
+            req.validation = None
+            if req.finished:
+                continue
+            try:
+                self._fail(req, reason, 503)
+            except Exception:  # the engine is broken: the request must still end
+                log.exception("failing request %s", req.request_id)
+                req.status, req.finish_reason = RequestStatus.FINISHED, "error"
+        self.validating = []
 
     # -- outputs out ---------------------------------------------------------------------------
 
@@ -306,9 +353,9 @@ class LLMEngine:
             prompt_token_ids=req.prompt_token_ids,
             text=req.detokenizer.text,
             token_ids=req.output_token_ids,
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            delta_text=req.detokenizer.take_delta(final=req.finished),
+            finished=req.done,
+            finish_reason=req.finish_reason if req.done else None,
+            delta_text=req.detokenizer.take_delta(final=req.done),
             delta_token_ids=delta_ids,
             metrics=req.metrics,
             warnings=list(req.warnings),
@@ -317,10 +364,29 @@ class LLMEngine:
             prompt_logprobs=req.prompt_logprobs if req.finished else None,
         )
 
+    def error_output(self, req: Request, reason: str) -> RequestOutput:
+        """A last output for a request whose own output could not be made (nothing of its
+        state is read but what is plain data)."""
+        self._fail(req, reason, 500)
+        if req.finish_reason != "error":
+            req.warnings.append(reason)
+        req.validation = None
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            text="",
+            token_ids=req.output_token_ids,
+            finished=True,
+            finish_reason="error",
+            metrics=req.metrics,
+            warnings=list(req.warnings),
+            error_status=req.error_status or 500,
+        )
+
     def release(self, request_id: str) -> None:
         """Forgets a finished request once its last output was taken."""
         req = self.requests.get(request_id)
-        if req is not None and req.finished:
+        if req is not None and req.done:
             del self.requests[request_id]
 
 

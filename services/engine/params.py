@@ -171,12 +171,27 @@ class KVPolicy:
 DEFAULT_BUDGET_TOKENS = 1024
 
 
+# Below this a temperature cannot be sampled stably (logits / t overflow): such a request is
+# decoded greedily, as vLLM does.
+SAMPLING_EPS = 1e-5
+# Stop strings are matched incrementally (services/engine/detokenizer.py), but each one costs
+# memory and a scan per new character: bounded like the rest of a request.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+_SEED_RANGE = (-(2**63), 2**64)  # what a torch.Generator accepts
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """`temperature` below `SAMPLING_EPS` (0 included) is greedy; `top_k` 0 or -1 and `top_p` 1
+    and `min_p` 0 switch those cuts off (vLLM's conventions)."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
+    top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     seed: int | None = None
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
@@ -194,20 +209,43 @@ class SamplingParams:
             raise ValueError(f"temperature: must be in [0, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k}")
-        stop = self.stop
-        if isinstance(stop, str):
-            stop = (stop,)
-        stop = tuple(stop or ())
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError("stop: every stop string must be a non-empty string")
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k < -1:
+            raise ValueError(f"top_k: must be >= 0, or -1 (0 and -1 disable it), got {self.top_k}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]:
+            raise ValueError(f"seed: must be in [-2**63, 2**64), got {self.seed}")
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+
+def _stop_strings(stop: tuple[str, ...] | list[str] | str | None) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    stop = tuple(stop or ())
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError("stop: every stop string must be a non-empty string")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"stop: at most {MAX_STOP_CHARS} characters a string, got {longest}")
+    return stop
+
+
+def _stop_token_ids(ids: tuple[int, ...] | list[int] | None) -> tuple[int, ...]:
+    ids = tuple(ids or ())
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError("stop_token_ids: every id must be an integer >= 0")
+    return ids
 
 
 @dataclass

@@ -21,6 +21,7 @@ from services.engine.params import FinishReason, RequestMetrics, SamplingParams
 if TYPE_CHECKING:
     from kvcache.policies import KVState
     from services.engine.grammar.backend import CompiledGrammar, GrammarState
+    from services.engine.grammar.validation import PendingValidation
 
 
 class RequestStatus(enum.Enum):
@@ -52,7 +53,10 @@ class Request:
     compiled: CompiledGrammar | None = None
     grammar: GrammarState | None = None
     whitespace_run: int = 0  # whitespace-only tokens at the end of the output
+    mask_seconds: float = 0.0  # spent filling this request's masks
+    mask_over_budget_s: float = 0.0  # of which in masks slower than the budget
     validated: bool | None = None  # JSON outputs: did the text validate against the schema
+    validation: PendingValidation | None = None  # finished, its output still being validated
     error_status: int | None = None  # finish_reason "error": the HTTP status it maps to
     prompt_logprobs: list[float] | None = None
     _emitted_tokens: int = 0
@@ -98,7 +102,13 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        """Nothing more is computed for it (its pages are free)."""
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def done(self) -> bool:
+        """Finished, and its output's validation (if any) is in: its last output can go out."""
+        return self.finished and self.validation is None
 
     def take_new_token_ids(self) -> list[int]:
         new = self.token_ids[self.num_prompt_tokens + self._emitted_tokens :]

@@ -1,15 +1,27 @@
 """Turns the last-position logits of each sampling row into a token.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k and top-p, and drawn
-with the request's own generator when it has a seed (so a seeded request gives the same tokens
-whatever else shares its batch), else with the engine's.
+Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k, top-p and min-p,
+and drawn with the request's own generator when it has a seed (so a seeded request gives the same
+tokens whatever else shares its batch), else with the engine's.
+
+A row whose logits cannot be sampled (NaN, +inf, or nothing left after the grammar's mask) fails
+alone: `torch.multinomial` raises for the whole batch on one bad row, so bad rows are found first,
+replaced by a harmless stand-in and reported in `Sampled.failed`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from services.engine.request import Request
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    failed: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -20,10 +32,25 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
     cut = ranks >= k
     probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(dim=-1)
-    # Drop a token when the mass strictly before it already reaches top_p (the first always stays).
+    # Drop a token when the mass strictly before it already reaches top_p; the first always stays
+    # (a top_p that rounds to 0 in float32 would otherwise drop it too).
     cut |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    cut[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
+
+
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below `min_p` x the row's largest (the largest stays)."""
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def usable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[S] bool: no NaN, no +inf, and at least one token allowed (-inf is a masked token)."""
+    bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+    return ~bad & (logits > float("-inf")).any(dim=-1)
 
 
 class Sampler:
@@ -32,31 +59,56 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         logits = logits.float()
+        ok = usable_rows(logits)
+        # a stand-in for unusable rows, so that nothing below raises for the whole batch
+        logits = torch.where(ok[:, None], logits, torch.zeros_like(logits))
         out = logits.argmax(dim=-1)
+        failed: dict[int, str] = {}
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
-            self._sample_rows(logits, requests, rows, out)
-        return out.tolist()
+            self._sample_rows(logits, requests, rows, out, ok, failed)
+        tokens, usable = torch.stack([out, ok.long()]).tolist()  # one transfer from the device
+        for i, good in enumerate(usable):
+            if not good:
+                failed[i] = "sampling: the logits are not finite or no token is left to sample"
+        return Sampled(tokens, failed)
 
     def _sample_rows(
-        self, logits: torch.Tensor, requests: list[Request], rows: list[int], out: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        rows: list[int],
+        out: torch.Tensor,
+        ok: torch.Tensor,
+        failed: dict[int, str],
     ) -> None:
         params = [requests[i].params for i in rows]
         dev = logits.device
         temp = torch.tensor([p.temperature for p in params], device=dev)
         scaled = logits[rows] / temp[:, None]
+        # vLLM's order: min-p on the tempered distribution, then top-k and top-p
+        if any(p.min_p > 0 for p in params):
+            scaled = _min_p(scaled, torch.tensor([p.min_p for p in params], device=dev))
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             top_k = torch.tensor([p.top_k for p in params], device=dev)
             top_p = torch.tensor([p.top_p for p in params], device=dev)
             scaled = _top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
+        # belt and braces: a row the cuts left unsamplable fails alone, never the whole draw
+        drawable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        probs = torch.where(drawable[:, None], probs, torch.ones_like(probs))
+        ok[rows] &= drawable
         shared = [j for j, i in enumerate(rows) if requests[i].generator is None]
         if shared:
             drawn = torch.multinomial(probs[shared], 1, generator=self.generator).squeeze(-1)
             out[[rows[j] for j in shared]] = drawn
         for j, i in enumerate(rows):
             gen = requests[i].generator
-            if gen is not None:
+            if gen is None:
+                continue
+            try:
                 out[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+            except RuntimeError as exc:  # this request's generator (e.g. on another device)
+                failed[i] = f"sampling: {exc}"[:300]

@@ -9,6 +9,7 @@ import pytest
 from e2e_support import (
     KEY_A,
     KEY_B,
+    KEY_FUZZ,
     KEY_ONE,
     KEY_SLOW,
     OtlpReceiver,
@@ -77,6 +78,11 @@ def server(proxy, otlp):
                 name="tenant-one",
                 api_key_sha256=[digest(KEY_ONE)],
                 limits=TenantLimits(max_concurrent=1),
+            ),
+            TenantConfig(
+                name="tenant-fuzz",
+                api_key_sha256=[digest(KEY_FUZZ)],
+                limits=TenantLimits(requests_per_minute=100_000, max_concurrent=4, max_tokens=8),
             ),
         ],
     )

@@ -13,6 +13,7 @@ from deployments.config import GrammarServiceConfig, LLMConfig, ServiceConfig
 
 KEY_A, KEY_B, KEY_SLOW = "sk-test-tenant-a", "sk-test-tenant-b", "sk-test-limited"
 KEY_ONE = "sk-test-one-at-a-time"
+KEY_FUZZ = "sk-test-fuzz"  # the HTTP fuzz: few tokens a request, never throttled by rate
 
 
 def free_port() -> int:

@@ -42,3 +42,34 @@ def test_no_stop_when_absent(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], ("gamma",))
     detok.add_tokens(ids)
     assert not detok.stopped and detok.text == "alpha beta"
+
+
+def test_stop_matcher_finds_stops_across_feeds_and_the_partial_tail():
+    from services.engine.detokenizer import StopMatcher
+
+    m = StopMatcher(("abab", "xyz"))
+    text = "zzaba"
+    assert m.feed(text, 0) is None and m.partial == 3  # "aba" may still become "abab"
+    text += "b"
+    assert m.feed(text, 5) == 2
+    m = StopMatcher(("aab",))
+    text = "aaaa"
+    assert m.feed(text, 0) is None and m.partial == 2
+    text += "b!"
+    assert m.feed(text, 4) == 2  # KMP falls back correctly after repeated 'a'
+
+
+def test_long_stop_strings_stream_everything_but_a_possible_stop(tokenizer):
+    """16 stop strings of the maximum length that almost match: nothing is lost or held back
+    beyond the longest tail that could still start one of them."""
+    stops = tuple("word " * 200 + str(i) for i in range(16))  # 1001 characters each
+    ids = tokenizer.encode("word " * 300, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stops)
+    streamed = ""
+    for t in ids:
+        detok.add_tokens([t])
+        streamed += detok.take_delta(final=False)
+    assert not detok.stopped
+    held = detok.text[len(streamed) :]
+    assert len(held) <= 1000 and ("word " * 200).startswith(held)
+    assert streamed + detok.take_delta(final=True) == detok.text == "word " * 300

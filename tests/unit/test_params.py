@@ -11,6 +11,14 @@ from services import KVPolicy, SamplingParams, StructuredOutput
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"stop": ["ok", ""]}, "stop"),
+        ({"stop": ["x" * 1025]}, "stop"),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"seed": 2**64}, "seed"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
@@ -22,6 +30,7 @@ def test_stop_is_normalised_to_a_tuple():
     assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[5]).stop_token_ids == (5,)
     assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=1e-4).greedy
 
 
 def test_structured_output_needs_exactly_one_kind():

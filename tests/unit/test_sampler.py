@@ -1,9 +1,12 @@
+import math
+
+import pytest
 import torch
 
 from services import SamplingParams
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.request import Request
-from services.engine.sampler import Sampler, _top_k_top_p
+from services.engine.sampler import Sampler, _min_p, _top_k_top_p
 
 
 def req(seed=None, **kw) -> Request:
@@ -26,13 +29,65 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 def test_greedy_takes_argmax_and_sampling_respects_top_k():
     sampler = Sampler(torch.device("cpu"), seed=0)
     logits = torch.tensor([[0.0, 1.0, 5.0, 4.9]]).repeat(200, 1)
-    assert sampler(logits[:1], [req(temperature=0)]) == [2]
-    drawn = sampler(logits, [req(temperature=1.0, top_k=2) for _ in range(200)])
+    assert sampler(logits[:1], [req(temperature=0)]).tokens == [2]
+    drawn = sampler(logits, [req(temperature=1.0, top_k=2) for _ in range(200)]).tokens
     assert set(drawn) == {2, 3}
 
 
 def test_seeded_rows_do_not_depend_on_their_neighbours():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    alone = Sampler(torch.device("cpu"))(logits[1:2], [req(seed=42)])
+    alone = Sampler(torch.device("cpu"))(logits[1:2], [req(seed=42)]).tokens
     mixed = Sampler(torch.device("cpu"), seed=7)(logits, [req(), req(seed=42), req(temperature=0)])
-    assert mixed[1] == alone[0]
+    assert mixed.tokens[1] == alone[0]
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-6, 0.0])
+def test_a_temperature_too_small_to_sample_is_greedy(temperature):
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.9], [2.0, 1.0, 0.0, -1.0]])
+    out = Sampler(torch.device("cpu"))(logits, [req(temperature=temperature), req(seed=3)])
+    assert out.tokens[0] == 2 and not out.failed
+
+
+def test_tiny_but_samplable_temperature_still_samples_without_overflow():
+    # 1e-4 is above the greedy threshold: logits / t = 5e4, finite in float32
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.9]]).repeat(64, 1)
+    out = Sampler(torch.device("cpu"))(logits, [req(temperature=1e-4) for _ in range(64)])
+    assert set(out.tokens) == {2} and not out.failed
+
+
+@pytest.mark.parametrize(
+    "bad", [[math.nan, 1.0, 2.0], [math.inf, 1.0, 2.0], [-math.inf, -math.inf, -math.inf]]
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_unusable_row_fails_alone(bad, temperature):
+    good = [0.0, 9.0, 1.0]
+    logits = torch.tensor([good, bad, good])
+    reqs = [req(temperature=0), req(temperature=temperature), req(seed=5)]
+    out = Sampler(torch.device("cpu"))(logits, reqs)
+    assert set(out.failed) == {1} and "not finite" in out.failed[1]
+    assert out.tokens[0] == 1 and out.tokens[2] == 1
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
+def test_a_top_p_too_small_for_float32_keeps_the_best_token(top_p):
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.9]]).repeat(8, 1)
+    out = Sampler(torch.device("cpu"))(logits, [req(top_p=top_p) for _ in range(8)])
+    assert out.tokens == [2] * 8 and not out.failed
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(_min_p(logits, torch.tensor([0.5]))).tolist()
+    assert kept == [[True, True, False, False]]  # 0.15 < 0.5 x 0.5
+    assert torch.isfinite(_min_p(logits, torch.tensor([1.0]))).tolist() == [
+        [True, False, False, False]
+    ]
+    drawn = Sampler(torch.device("cpu"))(logits.repeat(100, 1), [req(min_p=0.5)] * 100).tokens
+    assert set(drawn) <= {0, 1} and set(drawn) == {0, 1}
+
+
+def test_top_k_minus_one_and_above_the_vocabulary_cut_nothing():
+    assert SamplingParams(top_k=-1).top_k == 0
+    logits = torch.zeros(400, 3)
+    out = Sampler(torch.device("cpu"))(logits, [req(top_k=10**6) for _ in range(400)])
+    assert set(out.tokens) == {0, 1, 2}

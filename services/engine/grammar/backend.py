@@ -37,6 +37,8 @@ class CompiledGrammar:
     handle: Any
     warnings: list[str] = field(default_factory=list)
     schema: dict[str, Any] | None = None  # for validating JSON outputs after decoding
+    # built from `schema` on first use (grammar/validation.py); the exception if it could not be
+    validator: Any = field(default=None, repr=False, compare=False)
 
 
 class GrammarState(Protocol):

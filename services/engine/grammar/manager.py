@@ -1,27 +1,48 @@
 """Structured output inside the engine: compiles in flight, masks, acceptance and validation.
 
-The engine calls this at fixed points of its step and never looks at a grammar itself.
+The engine calls this at fixed points of its step and never looks at a grammar itself. What goes
+wrong for one request comes back as a `Failure` for the engine to fail that request alone.
+
+The mask budget: each request's mask fills are timed while it decodes. Masks slower than
+`mask_budget_ms` add their time up; once a request's slow masks add up to `mask_strikes`
+budgets (three slow masks, or one three times too slow), it fails with a 422 and its grammar's
+verdict is downgraded in the cache (`GrammarProvider.downgrade`), so the next request with that
+grammar is refused at admission instead of slowing its batch down again.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Any
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any, NamedTuple
 
-import jsonschema
 import torch
 
-from services.engine.grammar.backend import GrammarBackend
+from services.engine.boundary import RequestError
+from services.engine.grammar.backend import GrammarBackend, GrammarError
 from services.engine.grammar.masks import MaskFiller, PendingMasks
 from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider
+from services.engine.grammar.validation import OutputValidator
 from services.engine.grammar.xgrammar_backend import XGrammarBackend
 from services.engine.params import FinishReason
 from services.engine.request import Request
 
 log = logging.getLogger(__name__)
+
+
+class Failure(NamedTuple):
+    request: Request
+    reason: str
+    status: int  # what an HTTP client gets
+
+
+def _no_check(stage: str, req: Request) -> None:
+    pass
+
+
+def _internal(stage: str, exc: Exception) -> str:
+    return f"{stage}: internal error ({type(exc).__name__}: {exc})"[:300]
 
 
 class GrammarManager:
@@ -36,6 +57,9 @@ class GrammarManager:
         backend: GrammarBackend | None = None,
         workers: int = 0,
         redis_url: str | None = None,
+        mask_budget_ms: float = 20.0,
+        mask_strikes: float = 3.0,
+        validation_timeout_s: float = 1.0,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -49,6 +73,12 @@ class GrammarManager:
         self._masks: MaskFiller | None = None
         self._pending: list[Request] = []
         self._whitespace: dict[int, bool] = {}
+        self._mask_budget_s = mask_budget_ms / 1000
+        self._mask_strikes = mask_strikes
+        self.validator = OutputValidator(validation_timeout_s)
+        # (stage, request) -> raises to fail it: the engine's fault injector, a no-op otherwise
+        self.check: Callable[[str, Request], None] = _no_check
+        self.slow_mask_failures = 0
         # read by telemetry (services/engine/stats.py); plain ints, written on the engine thread
         self.jump_forward_tokens = 0  # put in outputs by jump-forward, never sampled
         self.forward_passes_saved = 0  # decode steps not run: one per forced token after the first
@@ -83,7 +113,11 @@ class GrammarManager:
     def masks(self) -> MaskFiller:
         if self._masks is None:
             self._masks = MaskFiller(
-                self.backend, self._max_rows, self._overlap, on_fill=self._mask_filled
+                self.backend,
+                self._max_rows,
+                self._overlap,
+                on_fill=self._mask_filled,
+                check=lambda req: self.check("mask", req),
             )
         return self._masks
 
@@ -101,7 +135,7 @@ class GrammarManager:
         req.grammar_future = self.provider.submit(req.params.structured, req.tenant)
         self._pending.append(req)
 
-    def resolve(self) -> list[Request]:
+    def resolve(self) -> list[Failure]:
         """Gives finished compiles their grammar state; returns requests whose grammar failed."""
         failed, still = [], []
         for req in self._pending:
@@ -111,21 +145,26 @@ class GrammarManager:
             if not fut.done():
                 still.append(req)
                 continue
-            exc = fut.exception()
-            if exc is not None:
-                req.warnings.append(str(exc))
-                req.error_status = int(getattr(exc, "status", 400))
-                failed.append(req)
+            try:
+                self.check("grammar", req)
+                req.compiled = fut.result()
+                req.grammar = self.backend.new_state(req.compiled)
+            except Exception as exc:  # a GrammarError carries its status; anything else is ours
+                status = int(getattr(exc, "status", 500))
+                reason = str(exc) if isinstance(exc, GrammarError) else _internal("grammar", exc)
+                failed.append(Failure(req, reason[:300], status))
                 continue
-            req.compiled = fut.result()
-            req.grammar = self.backend.new_state(req.compiled)
             req.warnings.extend(req.compiled.warnings)
         self._pending = still
         return failed
 
-    def wait_for_compiles(self, timeout: float) -> None:
-        """Blocks briefly when the only work left is grammars being compiled (no busy loop)."""
-        futures = [r.grammar_future for r in self._pending if r.grammar_future is not None]
+    def wait(self, timeout: float, validating: list[Request]) -> None:
+        """Blocks briefly when the only work left is grammars being compiled or outputs being
+        validated (no busy loop)."""
+        futures: list[Future[Any]] = [
+            r.grammar_future for r in self._pending if r.grammar_future is not None
+        ]
+        futures += [r.validation.future for r in validating if r.validation is not None]
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -134,26 +173,59 @@ class GrammarManager:
             return None
         return self.masks.start(sampling)
 
-    def apply_masks(self, pending: PendingMasks | None, logits: torch.Tensor) -> None:
-        if pending is not None:
-            self.masks.apply(pending, logits)
+    def apply_masks(self, pending: PendingMasks | None, logits: torch.Tensor) -> list[Failure]:
+        """Masks the rows that need it; the requests whose grammar raised or that ran out of
+        mask budget."""
+        masks = self.masks.apply(pending, logits) if pending is not None else None
+        if masks is None or pending is None:
+            return []
+        failed = []
+        for i, req in pending.rows:
+            exc = masks.failed.get(i)
+            if exc is not None:
+                failed.append(Failure(req, _internal("mask", exc), 500))
+                continue
+            seconds = masks.seconds.get(i, 0.0)
+            req.mask_seconds += seconds
+            if seconds > self._mask_budget_s:
+                req.mask_over_budget_s += seconds
+            if req.mask_over_budget_s >= self._mask_strikes * self._mask_budget_s:
+                failed.append(self._out_of_mask_budget(req))
+        return failed
+
+    def _out_of_mask_budget(self, req: Request) -> Failure:
+        budget_ms = self._mask_budget_s * 1000
+        spec = req.params.structured
+        kind = spec.kind if spec is not None else "grammar"
+        error = GrammarError(
+            f"structured.{kind}: masks slower than the budget ({budget_ms:g} ms a mask) took "
+            f"{req.mask_over_budget_s * 1000:.0f} ms while decoding; the grammar is refused",
+            reason="slow_mask",
+            status=422,
+        )
+        self.slow_mask_failures += 1
+        if spec is not None:
+            try:
+                self.provider.downgrade(spec, req.tenant, error)
+            except Exception:  # the request fails either way; the next one meets it again
+                log.warning("grammar: downgrading a slow verdict failed", exc_info=True)
+        return Failure(req, str(error), error.status)
 
     def accept(self, req: Request, token: int) -> FinishReason | None:
-        """Advances the request's grammar; a reason to finish when it terminated or misbehaved."""
+        """Advances the request's grammar: "stop" once it terminated; raises `RequestError`
+        when the request cannot go on."""
         state, spec = req.grammar, req.params.structured
         if state is None or spec is None:
             return None
-        if not state.accept_token(token):
-            req.warnings.append(f"grammar: rejected the sampled token {token}")
-            return "error"
+        if not state.accept_token(token):  # the mask allowed it: a backend inconsistency
+            raise RequestError(f"grammar: rejected the sampled token {token}", status=500)
         if state.is_terminated():
             return "stop"
         req.whitespace_run = req.whitespace_run + 1 if self._is_whitespace(token) else 0
         if req.whitespace_run >= spec.max_whitespace_run:
-            req.warnings.append(
+            raise RequestError(
                 f"structured.max_whitespace_run: {req.whitespace_run} whitespace-only tokens"
             )
-            return "error"
         return None
 
     def jump_forward(self, req: Request, token: int, room: int) -> list[int]:
@@ -202,26 +274,38 @@ class GrammarManager:
             known = self._whitespace[token] = bool(text) and not text.strip()
         return known
 
-    def validate(self, req: Request) -> None:
-        """Parses and validates a finished JSON output; records the verdict and why it failed."""
+    def start_validation(self, req: Request) -> bool:
+        """Starts validating a finished JSON output off the engine thread; False when there is
+        nothing to validate."""
         if (
             req.compiled is None
             or req.compiled.schema is None
             or req.finish_reason in ("error", "abort")
         ):
-            return
-        try:
-            value = json.loads(req.detokenizer.text)
-            jsonschema.validate(value, req.compiled.schema)
-        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-            req.validated = False
-            req.warnings.append(f"output failed validation: {str(exc).splitlines()[0][:300]}")
-        except jsonschema.SchemaError as exc:
-            req.warnings.append(f"schema could not be used to validate: {exc.message[:300]}")
-        else:
-            req.validated = True
+            return False
+        req.validation = self.validator.submit(
+            req.compiled, req.detokenizer.text, lambda: self.check("validate", req)
+        )
+        return True
+
+    def finish_validation(self, req: Request) -> bool:
+        """Records the verdict once it is in (True), turning a stop into an error when the
+        output failed; False while it is still being validated."""
+        assert req.validation is not None
+        verdict = self.validator.answer(req.validation)
+        if verdict is None:
+            return False
+        req.validation = None
+        req.validated, why = verdict
+        if why is not None:
+            req.warnings.append(why)
+        if not req.validated and req.finish_reason == "stop":
+            req.finish_reason = "error"  # an output that does not parse never ends in "stop"
+            req.error_status = 422
+        return True
 
     def shutdown(self) -> None:
+        self.validator.shutdown()
         if self._masks is not None:
             self._masks.shutdown()
         if self._provider is not None:

@@ -5,6 +5,10 @@ while the model computes (torch releases the GIL inside its kernels, on CUDA the
 asynchronous anyway); `apply()` waits for it and masks the logits. With `overlap=False` (the plain
 twin) the fill runs inside `apply()`, after the forward. Both fill the same rows the same way, so
 they give the same tokens.
+
+Each row is filled and timed on its own: a row whose grammar raises is reported in
+`Masks.failed` (its request fails alone, its row is not applied), and each row's time goes to
+the mask budget (`GrammarManager`).
 """
 
 from __future__ import annotations
@@ -17,14 +21,21 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.grammar.backend import GrammarBackend, GrammarState
+from services.engine.grammar.backend import GrammarBackend
 from services.engine.request import Request
 
 
 @dataclass
+class Masks:
+    need: list[int]  # rows whose mask restricts something (rows allowing every token skip it)
+    seconds: dict[int, float]  # row -> its fill time
+    failed: dict[int, Exception]  # row -> what its grammar raised
+
+
+@dataclass
 class PendingMasks:
-    rows: list[tuple[int, GrammarState]]
-    future: Future[list[int]] | None
+    rows: list[tuple[int, Request]]
+    future: Future[Masks] | None
 
 
 class MaskFiller:
@@ -34,38 +45,52 @@ class MaskFiller:
         max_rows: int,
         overlap: bool = True,
         on_fill: Callable[[float], None] | None = None,
+        check: Callable[[Request], None] | None = None,
     ) -> None:
         self.backend = backend
         self.on_fill = on_fill  # called with each step's fill time (telemetry)
+        self.check = check  # called before each row's fill (the fault injector's hook)
         self.bitmask = backend.allocate_bitmask(max_rows)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask") if overlap else None
         # recent fill times (steps with constrained rows), bounded: the service runs for days
         self.fill_seconds: deque[float] = deque(maxlen=4096)
 
     def start(self, requests: list[Request]) -> PendingMasks | None:
-        rows = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        rows = [(i, r) for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
         if self._pool is None:
             return PendingMasks(rows, None)
         return PendingMasks(rows, self._pool.submit(self._fill, rows))
 
-    def _fill(self, rows: list[tuple[int, GrammarState]]) -> list[int]:
-        """Rows whose mask restricts something; rows that allow every token are skipped."""
+    def _fill(self, rows: list[tuple[int, Request]]) -> Masks:
+        out = Masks([], {}, {})
         start = time.perf_counter()
-        need = [i for i, state in rows if state.fill_bitmask(self.bitmask, i)]
+        for i, req in rows:
+            state = req.grammar
+            row_start = time.perf_counter()
+            try:
+                if self.check is not None:
+                    self.check(req)
+                assert state is not None  # `start` picked rows with a grammar
+                if state.fill_bitmask(self.bitmask, i):
+                    out.need.append(i)
+            except Exception as exc:  # this row's grammar: its request fails, not the batch
+                out.failed[i] = exc
+            out.seconds[i] = time.perf_counter() - row_start
         seconds = time.perf_counter() - start
         self.fill_seconds.append(seconds)
         if self.on_fill is not None:
             self.on_fill(seconds)
-        return need
+        return out
 
-    def apply(self, pending: PendingMasks | None, logits: torch.Tensor) -> None:
+    def apply(self, pending: PendingMasks | None, logits: torch.Tensor) -> Masks | None:
         if pending is None:
-            return
-        need = pending.future.result() if pending.future is not None else self._fill(pending.rows)
-        if need:
-            self.backend.apply_bitmask(logits, self.bitmask, need)
+            return None
+        masks = pending.future.result() if pending.future is not None else self._fill(pending.rows)
+        if masks.need:
+            self.backend.apply_bitmask(logits, self.bitmask, masks.need)
+        return masks
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-from services.engine.grammar.backend import CompiledGrammar, GrammarBackend
+from services.engine.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError
 from services.engine.params import StructuredOutput
 
 
@@ -23,6 +23,11 @@ class GrammarProvider(Protocol):
     def submit(self, spec: StructuredOutput, tenant: str = "default") -> Future[CompiledGrammar]:
         """A future of the compiled grammar; it fails with `GrammarError` for unusable input.
         `tenant` scopes `grammar_id` lookups and compile quotas."""
+        ...
+
+    def downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
+        """The grammar proved too costly while decoding: refuse it from now on with `error`
+        (for `tenant` at least). Must not block: the engine thread calls it."""
         ...
 
 
@@ -56,6 +61,12 @@ class LocalGrammarProvider:
             while len(self._cache) > self._max:
                 self._cache.popitem(last=False)
             return fut
+
+    def downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
+        refused: Future[CompiledGrammar] = Future()
+        refused.set_exception(error)
+        with self._lock:
+            self._cache[spec_key(spec)] = refused
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -80,6 +80,10 @@ class XGrammarState:
     def jump_forward(self) -> str:
         return str(self._m.find_jump_forward_string())
 
+    def accept_string(self, text: str) -> bool:
+        """Accepts text the grammar forces without tokenizing it (the compile probe)."""
+        return bool(self._m.accept_string(text))
+
 
 class XGrammarBackend:
     def __init__(

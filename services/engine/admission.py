@@ -1,0 +1,120 @@
+"""What a request must pass before it is queued: its prompt's size, its context, its KV policy.
+
+Checked in order of cost: characters before a tokenizer pass, the token count before the scan of
+the vocabulary; every refusal names the field and the limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.params import KVPolicy
+from services.engine.request import Request
+
+Prompt = str | Sequence[int]
+# Streams under a re-rotating policy have no context limit of their own: this caps them
+STREAM_LIMIT = 1 << 24
+# Default cap on a prompt's characters, per token of context: ordinary text never packs this many
+# characters into a token, so a longer prompt could not fit and is refused before it costs a
+# tokenizer pass (`EngineConfig.max_prompt_chars` sets it outright).
+CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class Limits:
+    page_size: int
+    pool_tokens: int  # the device KV pool
+    model_len: int  # the model's trained context
+    max_model_len: int  # the context a `full` request may use
+    configured_len: int | None  # EngineConfig.max_model_len
+    vocab_size: int
+    max_prompt_chars: int
+    tier_pages: int | None  # the host tier's pages (None: no tier)
+    pool_pages: int
+    can_rerotate: bool
+
+
+def check_chars(chars: int, field: str, max_chars: int) -> None:
+    if chars > max_chars:
+        raise ValueError(
+            f"{field}: {chars} characters exceed the limit of {max_chars} (max_prompt_chars)"
+        )
+
+
+def tokenize(tokenizer: Any, prompt: Prompt, max_chars: int) -> list[int]:
+    if isinstance(prompt, str):
+        check_chars(len(prompt), "prompt", max_chars)
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    try:
+        return [int(t) for t in prompt]
+    except (TypeError, ValueError) as exc:
+        raise ValueError("prompt: token ids must be integers") from exc
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: int) -> list[int]:
+    check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages", max_chars)
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # the template's own checks (roles, their order) raise
+        raise ValueError(f"messages: the chat template refused them ({exc})"[:300]) from exc
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def refusal(req: Request, lim: Limits) -> str | None:
+    """Why the request cannot run here (None: it can); sets its policy's context limit."""
+    params, n = req.params, req.num_prompt_tokens
+    if n == 0:
+        return "prompt: is empty"
+    limit = lim.max_model_len
+    if req.kv_state is not None:
+        refused = _kv_refusal(req.kv_state.policy, lim)
+        if refused:
+            return refused
+        limit = req.context_limit = context_limit(req.kv_state.policy, lim)
+    if n + params.max_tokens > limit:
+        return (
+            f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"maximum context of {limit} tokens"
+        )
+    vocab = lim.vocab_size  # scanned once the length is known to fit
+    if bad := [t for t in req.prompt_token_ids if not 0 <= t < vocab]:
+        return f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+    snapkv = req.kv_state is not None and req.kv_state.policy.kind == "snapkv"
+    if snapkv and n > lim.pool_tokens:  # the whole prompt is cached until it has voted
+        return f"prompt: {n} tokens do not fit the KV pool ({lim.pool_tokens} tokens)"
+    return None
+
+
+def _kv_refusal(kv: KVPolicy, lim: Limits) -> str | None:
+    ps = lim.page_size
+    if kv.page_size is not None and kv.page_size != ps:
+        return f"kv.page_size: must equal the engine's page size ({ps}), got {kv.page_size}"
+    if kv.offload and lim.tier_pages is None:
+        return "kv.offload: this engine has no host page tier (set kv_tier_pages)"
+    if kv.rerotate and not lim.can_rerotate:
+        return "kv.rerotate: this model has no rotary embedding to re-rotate keys with"
+    room = min(lim.pool_tokens, lim.model_len)
+    if kv.bounded and kv.budget + ps > room:
+        return (
+            f"kv.budget_tokens: {kv.budget} (+ one page) exceeds the KV pool or the model's "
+            f"context ({room} tokens)"
+        )
+    return None
+
+
+def context_limit(kv: KVPolicy, lim: Limits) -> int:
+    """Bounded policies hold budget + one page, whatever the length; positions still grow,
+    except under `rerotate`, where they stay inside the cache (StreamingLLM)."""
+    trained = min(lim.configured_len or lim.model_len, lim.model_len)
+    if kv.offload:  # parked pages live on the host: the pool no longer caps the context
+        assert lim.tier_pages is not None
+        return min(trained, (lim.pool_pages + lim.tier_pages) * lim.page_size)
+    if not kv.bounded:
+        return lim.max_model_len
+    if kv.rerotate:
+        return lim.configured_len or STREAM_LIMIT
+    return trained

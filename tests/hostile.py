@@ -1,0 +1,167 @@
+"""The hostile corpus: requests a tenant can send to hurt the others, each with what must happen.
+
+Shared by the engine-level containment tests, the HTTP ones and `benchmarks/containment.py`.
+`expect` is a piece of the reason the request must fail with; None means the request must be
+served normally (its numerics are sane, its trap is defused). `params` are `SamplingParams`
+fields, `structured` `StructuredOutput` fields; `http` is the same request as a body fragment of
+a chat completion (None: it has no HTTP form worth sending, e.g. engine-only parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# 61 forced characters, then masks of ~0.5 s and more (20 ms is the budget): a probe that timed
+# the first steps only saw the cheap forced ones; it must walk past the forced text
+SLOW_MASK_REGEX = '"' + "abcdefghij" * 6 + "(.{0,8}){0,8}"
+# the same trap with a shorter fuse: first mask ~0.15 s, then cheap ones, so a probe's median can
+# pass it and the decode-time budget must catch it
+SLOW_ONCE_REGEX = '"' + "abcdefghij" * 6 + "(.{0,4}){0,4}"
+# Python's `re` needs ~2^24 steps to refuse `(a+)+$` on 24 a's and a '!'
+CATASTROPHIC = {"type": "string", "pattern": "^a{24}!$", "not": {"pattern": "^(a+)+$"}}
+UNRESOLVABLE = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+    "not": {"$ref": "#/$defs/missing"},
+}
+ALMOST = "word " * 200  # 1000 characters a streamed text keeps nearly matching
+
+
+def _nested_arrays(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "array"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+DEEP = _nested_arrays(80)  # over the static limit on nesting (64)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    group: str  # numerics | schema | regex | stop | prompt
+    expect: str | None
+    params: dict[str, Any] = field(default_factory=dict)
+    structured: dict[str, Any] | None = None
+    prompt: str | list[int] | None = None  # None: a short chat question
+    http: dict[str, Any] | None = None
+    validated: bool | None = None  # served cases with a schema: the verdict expected
+
+
+CASES = [
+    Case("tiny_temperature", "numerics", None, {"temperature": 1e-39}, http={"temperature": 1e-39}),
+    Case(
+        "tiny_top_p",
+        "numerics",
+        None,
+        {"temperature": 1.0, "top_p": 1e-12, "seed": 1},
+        http={"top_p": 1e-12},
+    ),
+    Case("top_k_minus_one", "numerics", None, {"temperature": 1.0, "top_k": -1, "seed": 2}),
+    Case("min_p_one", "numerics", None, {"temperature": 1.0, "min_p": 1.0, "seed": 3}),
+    Case(
+        "huge_seed",
+        "numerics",
+        None,
+        {"temperature": 1.0, "seed": 2**64 - 1},
+        http={"seed": 2**63 - 1},
+    ),
+    Case(
+        "huge_max_tokens",
+        "numerics",
+        "max_tokens",
+        {"max_tokens": 10**9},
+        http={"max_tokens": 10**9},
+    ),
+    Case(
+        "unresolvable_ref",
+        "schema",
+        "schema could not be used to validate",
+        structured={"json_schema": UNRESOLVABLE},
+        http={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": UNRESOLVABLE},
+            }
+        },
+    ),
+    Case(
+        "catastrophic_not_pattern",
+        "schema",
+        None,
+        structured={"json_schema": CATASTROPHIC},
+        validated=True,
+        http={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": CATASTROPHIC},
+            }
+        },
+    ),
+    Case(
+        "deep_schema",
+        "schema",
+        "max_depth",
+        structured={"json_schema": DEEP},
+        http={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}
+        },
+    ),
+    Case(
+        "repeat_bomb",
+        "regex",
+        "max_repeat",
+        structured={"regex": "(.{0,50}){0,50}"},
+        http={"structured_outputs": {"regex": "(.{0,50}){0,50}"}},
+    ),
+    Case(
+        "invalid_regex",
+        "regex",
+        "structured.regex",
+        structured={"regex": "(("},
+        http={"structured_outputs": {"regex": "(("}},
+    ),
+    Case(
+        "slow_mask_behind_forced_prefix",
+        "regex",
+        "mask",
+        structured={"regex": SLOW_MASK_REGEX},
+        http={"structured_outputs": {"regex": SLOW_MASK_REGEX}},
+    ),
+    Case(
+        "huge_stop_strings",
+        "stop",
+        "stop",
+        {"stop": ["x" * 20000] * 4},
+        http={"stop": ["x" * 20000] * 4},
+    ),
+    Case(
+        "too_many_stop_strings",
+        "stop",
+        "stop",
+        {"stop": [f"s{i}" for i in range(17)]},
+        http={"stop": [f"s{i}" for i in range(5)]},
+    ),
+    Case(
+        "long_stop_strings_nearly_matching",
+        "stop",
+        None,
+        {"stop": [ALMOST + str(i) for i in range(16)], "ignore_eos": True},
+        prompt="Repeat the word 'word' forever: word word word word word",
+        http={"stop": [ALMOST + str(i) for i in range(4)]},
+    ),
+    Case(
+        "huge_text_prompt",
+        "prompt",
+        "characters exceed",
+        prompt="a " * 2_000_000,
+        http={"messages": [{"role": "user", "content": "a " * 1_500_000}]},
+    ),
+    Case("huge_token_prompt", "prompt", "max_tokens: prompt", prompt=[1] * 2_000_000, http=None),
+    Case("token_outside_vocabulary", "prompt", "vocabulary", prompt=[10**9], http=None),
+]
+BY_NAME = {c.name: c for c in CASES}
