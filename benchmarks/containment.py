@@ -1,13 +1,14 @@
 """Containment: a victim's inter-token latency beside each hostile request, over its latency alone.
 
 Every case of the hostile corpus (`tests/hostile.py`) that has an engine form runs batched beside
-a victim (greedy, 64 tokens); so do a benign neighbour (an ordinary request of the same shape: the
-price of sharing a batch at all), a grammar whose masks are slow at decode time (past a lenient
-compile probe, so the runtime mask budget has to catch it: the first repeat meets it while
-decoding, later ones are refused at admission once it is downgraded). The victim's
-inter-token latencies (token arrival gaps, the first token excluded) are measured per step; each
-case runs between two alone runs (A B A, `--repeats` times), so a noisy machine slows both alike.
-Reports the p50 and p99 ratio beside/alone per case (target: p50 <= 1.3).
+a victim (greedy, 64 tokens), and so does a grammar whose masks are slow at decode time (past a
+lenient compile probe, so the runtime mask budget has to catch it: the first repeat meets it
+while decoding, later ones are refused at admission once it is downgraded). The victim's
+inter-token latencies (token arrival gaps, the first token excluded) are measured per step. Each
+case runs as alone / beside the hostile request / beside a benign neighbour (an ordinary greedy
+request of the same length: the price of sharing a batch at all) / alone, `--repeats` times, so
+a noisy machine slows them alike. Reports per case the p50 and p99 ratio beside/alone (target:
+p50 <= 1.3) and the p50 ratio beside the hostile request / beside the benign one.
 
     .venv/bin/python benchmarks/containment.py [--tokens 64] [--repeats 2] [--cases a,b]
 
@@ -29,16 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hostile import CASES, SLOW_ONCE_REGEX, Case  # noqa: E402
+from hostile import CASES, SLOW_ONCE_REGEX, Case, engine_request  # noqa: E402
 
-from services import LLM, SamplingParams, StructuredOutput  # noqa: E402
+from services import LLM, SamplingParams  # noqa: E402
 from services.compiler import CompilerConfig, build_provider  # noqa: E402
 from services.engine.engine import LLMEngine  # noqa: E402
 from services.models import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VICTIM = "The history of the printing press begins"
-QUESTION = "Is the sky blue? Answer briefly."
 
 
 def victim_gaps(engine: LLMEngine, tokens: int, hostile: tuple[Any, SamplingParams] | None):
@@ -63,20 +63,11 @@ def victim_gaps(engine: LLMEngine, tokens: int, hostile: tuple[Any, SamplingPara
     return [b - a for a, b in itertools.pairwise(arrivals[1:])], outcome  # the first excluded
 
 
-def hostile_request(engine: LLMEngine, case: Case, tokens: int) -> tuple[Any, SamplingParams]:
-    params: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
-    params.update(case.params)
-    if case.structured is not None:
-        params["structured"] = StructuredOutput(**case.structured)
-    prompt = case.prompt
-    if prompt is None:
-        prompt = engine.apply_chat_template([{"role": "user", "content": QUESTION}])
-    return prompt, SamplingParams(**params)
+BENIGN = Case("benign_neighbour", "baseline", None, {}, prompt=VICTIM)
 
 
 def extra_cases() -> list[Case]:
     return [
-        Case("benign_neighbour", "baseline", None, {}, prompt=VICTIM),
         Case("slow_masks_at_decode_time", "mask", "mask", structured={"regex": SLOW_ONCE_REGEX}),
     ]
 
@@ -100,6 +91,7 @@ def main() -> None:
     )
     wanted = set(filter(None, args.cases.split(",")))
     cases = [c for c in [*extra_cases(), *CASES] if not wanted or c.name in wanted]
+    defaults = {"max_tokens": args.tokens, "ignore_eos": True}
     victim_gaps(served.engine, 8, None)  # warm-up
     rows = []
     for case in cases:
@@ -107,36 +99,45 @@ def main() -> None:
         engine = llm.engine
         alone: list[float] = []
         beside: list[float] = []
+        benign: list[float] = []
         outcome = None
         for _ in range(args.repeats):
             alone += victim_gaps(engine, args.tokens, None)[0]
             try:
-                hostile = hostile_request(engine, case, args.tokens)
+                hostile = engine_request(case, engine, **defaults)
             except ValueError as exc:  # refused while building its parameters
                 outcome = {"finish_reason": "refused", "warnings": [str(exc)[:200]]}
                 hostile = None
             gaps, seen = victim_gaps(engine, args.tokens, hostile)
             beside += gaps
             outcome = seen or outcome
+            benign += victim_gaps(engine, args.tokens, engine_request(BENIGN, engine, **defaults))[
+                0
+            ]
             alone += victim_gaps(engine, args.tokens, None)[0]
         row = {
             "case": case.name,
             "group": case.group,
             "p50_ratio": statistics.median(beside) / statistics.median(alone),
             "p99_ratio": _p99(beside) / _p99(alone),
+            "vs_benign_p50_ratio": statistics.median(beside) / statistics.median(benign),
+            "benign_p50_ms": 1000 * statistics.median(benign),
             "alone_p50_ms": 1000 * statistics.median(alone),
             "beside_p50_ms": 1000 * statistics.median(beside),
             "hostile": outcome,
         }
         rows.append(row)
         print(
-            f"{case.name:36s} p50 {row['p50_ratio']:.2f}x  p99 {row['p99_ratio']:.2f}x  "
-            f"({row['beside_p50_ms']:.1f} vs {row['alone_p50_ms']:.1f} ms)  "
+            f"{case.name:34s} p50 {row['p50_ratio']:.2f}x  p99 {row['p99_ratio']:.2f}x  "
+            f"vs benign {row['vs_benign_p50_ratio']:.2f}x  ({row['beside_p50_ms']:.1f} ms; "
+            f"alone {row['alone_p50_ms']:.1f}, benign {row['benign_p50_ms']:.1f})  "
             f"hostile: {outcome['finish_reason'] if outcome else '-'}",
             flush=True,
         )
     worst = max(rows, key=lambda r: r["p50_ratio"])
     print(f"worst p50 ratio: {worst['p50_ratio']:.2f} ({worst['case']}); target <= 1.3")
+    worst = max(rows, key=lambda r: r["vs_benign_p50_ratio"])
+    print(f"worst p50 ratio vs a benign neighbour: {worst['vs_benign_p50_ratio']:.2f}")
     (RESULTS / "containment.json").write_text(
         json.dumps({"args": vars(args), "rows": rows}, indent=2)
     )
@@ -161,6 +162,8 @@ def plot(rows: list[dict[str, Any]]) -> None:
     ax.scatter(
         [r["p99_ratio"] for r in rows], names, color="tab:orange", s=12, label="p99", zorder=3
     )
+    benign = [r["benign_p50_ms"] / r["alone_p50_ms"] for r in rows]
+    ax.scatter(benign, names, color="grey", marker="|", s=60, label="benign neighbour p50")
     ax.axvline(1.3, color="tab:red", ls="--", lw=0.8, label="target p50 1.3x")
     ax.axvline(1.0, color="grey", lw=0.6)
     ax.invert_yaxis()

@@ -27,6 +27,7 @@ UNRESOLVABLE = {
     "additionalProperties": False,
     "not": {"$ref": "#/$defs/missing"},
 }
+QUESTION = "Is the sky blue? Answer briefly."
 ALMOST = "word " * 200  # 1000 characters a streamed text keeps nearly matching
 
 
@@ -60,6 +61,13 @@ CASES = [
         None,
         {"temperature": 1.0, "top_p": 1e-12, "seed": 1},
         http={"top_p": 1e-12},
+    ),
+    Case(  # found by the HTTP fuzz: rounds to 0 in float32, which once cut every token
+        "denormal_top_p",
+        "numerics",
+        None,
+        {"temperature": 1.0, "top_p": 5e-324, "seed": 4},
+        http={"top_p": 5e-324},
     ),
     Case("top_k_minus_one", "numerics", None, {"temperature": 1.0, "top_k": -1, "seed": 2}),
     Case("min_p_one", "numerics", None, {"temperature": 1.0, "min_p": 1.0, "seed": 3}),
@@ -165,3 +173,18 @@ CASES = [
     Case("token_outside_vocabulary", "prompt", "vocabulary", prompt=[10**9], http=None),
 ]
 BY_NAME = {c.name: c for c in CASES}
+
+
+def engine_request(case: Case, engine: Any, **defaults: Any) -> tuple[Any, Any]:
+    """The case as `(prompt, SamplingParams)` for `engine`: its own parameters over `defaults`
+    (greedy unless it says otherwise), a short chat question unless it brings a prompt.
+    Raises `ValueError` for parameters refused before any work."""
+    from services import SamplingParams, StructuredOutput
+
+    params = {"temperature": 0.0, **defaults, **case.params}
+    if case.structured is not None:
+        params["structured"] = StructuredOutput(**case.structured)
+    prompt = case.prompt
+    if prompt is None:
+        prompt = engine.apply_chat_template([{"role": "user", "content": QUESTION}])
+    return prompt, SamplingParams(**params)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -173,7 +174,7 @@ class LLMEngine:
         if refusal:
             raise RequestError(refusal, status=400)
         if req.kv_state is not None and req.kv_state.policy.offload:
-            assert self.offload is not None  # `_refusal` checked
+            assert self.offload is not None  # `admission.refusal` checked
             refusal = self.offload.admit(req)
             if refusal:
                 raise RequestError(refusal, status=429)
@@ -248,7 +249,7 @@ class LLMEngine:
                 self._advance(req, token, stage)
         return sampling
 
-    def _advance(self, req: Request, token: int, stage: Any) -> None:
+    def _advance(self, req: Request, token: int, stage: Callable[[str], None]) -> None:
         """Appends one sampled token (or the span jump-forward makes of it) and checks stops."""
         stage("accept")
         reason = self.grammars.accept(req, token)

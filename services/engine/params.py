@@ -191,7 +191,6 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
-    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     seed: int | None = None
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
@@ -201,6 +200,8 @@ class SamplingParams:
     prompt_logprobs: bool = False
     structured: StructuredOutput | None = None
     kv: KVPolicy | None = None
+    # after the public positional order: drop tokens below min_p x the most likely one's probability
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hostile import CASES, Case
+from hostile import CASES, QUESTION, engine_request
 
 from services import LLM, KVPolicy, SamplingParams, StructuredOutput
 from services.engine.boundary import STAGES, FaultInjector
@@ -14,7 +14,6 @@ from services.engine.engine import LLMEngine
 from services.engine.params import RequestOutput
 
 VICTIM = "The history of the printing press begins"
-QUESTION = "Is the sky blue? Answer briefly."
 VICTIM_PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 VICTIM_JSON = SamplingParams(
     max_tokens=24,
@@ -59,16 +58,6 @@ def alone(llm):
     }
 
 
-def hostile_request(engine: LLMEngine, case: Case) -> tuple[object, SamplingParams]:
-    params = {"max_tokens": 32, "temperature": 0.0, **case.params}
-    if case.structured is not None:
-        params["structured"] = StructuredOutput(**case.structured)
-    prompt = case.prompt
-    if prompt is None:
-        prompt = engine.apply_chat_template([{"role": "user", "content": QUESTION}])
-    return prompt, SamplingParams(**params)
-
-
 def check_victims(engine: LLMEngine, alone: dict, hostile: tuple[str, object, SamplingParams]):
     outs = run(
         engine,
@@ -86,7 +75,7 @@ def check_victims(engine: LLMEngine, alone: dict, hostile: tuple[str, object, Sa
 def test_hostile_requests_hurt_no_one(llm, alone, case):
     engine = llm.engine
     try:
-        prompt, params = hostile_request(engine, case)
+        prompt, params = engine_request(case, engine, max_tokens=32)
     except ValueError as exc:  # refused while building its parameters: before any work
         assert case.expect is not None and case.expect in str(exc), exc
         prompt, params = None, None
