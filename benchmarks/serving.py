@@ -91,7 +91,7 @@ async def http_level(url: str, reqs: list[dict], concurrency: int, max_tokens: i
 
     async def one(session: aiohttp.ClientSession, req: dict) -> None:
         body: dict[str, Any] = {
-            "model": "any",
+            "model": "SmolLM2-135M-Instruct",
             "messages": req["messages"],
             "max_tokens": max_tokens,
             "temperature": 0,

@@ -18,7 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
+from deployments import logprobs
 from deployments.observe import RequestObs
 from deployments.protocol import error_body, now
 
@@ -33,16 +35,18 @@ class ApiError(Exception):
         param: str | None = None,
         retry_after: float | None = None,
         reason: str | None = None,  # of a 429: rate, concurrency, replica_busy, grammar_busy
+        code: str | None = None,  # OpenAI's error code, e.g. model_not_found
     ) -> None:
         super().__init__(message)
         self.status, self.param, self.retry_after = status, param, retry_after
-        self.reason = reason
+        self.reason, self.code = reason, code
 
 
 KINDS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -54,8 +58,28 @@ def error_response(err: ApiError) -> JSONResponse:
     headers = {}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
-    body = error_body(str(err), KINDS.get(err.status, "server_error"), err.param)
+    body = error_body(str(err), KINDS.get(err.status, "server_error"), err.param, err.code)
     return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+async def read_body(request: Any, model: type[BaseModel], limit: int) -> Any:
+    """The body validated against `model`; counted as it arrives (no unbounded buffer): 413
+    above `limit` bytes, 400 naming the first invalid field."""
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise ApiError(413, f"body: larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"body: larger than {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return model.model_validate_json(b"".join(chunks))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(x) for x in first["loc"]) or None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param) from exc
 
 
 def cancel(streams: list[Any]) -> None:
@@ -74,10 +98,13 @@ async def collect(
 
     async def drain(stream: Any, first: dict[str, Any]) -> dict[str, Any]:
         text, last = first["delta_text"], first
+        items = first.get("logprobs")
         while not last["finished"]:
             last = await stream.__anext__()
             text += last["delta_text"]
-        return {**last, "text": text}
+            if last.get("logprobs") is not None:
+                items = (items or []) + last["logprobs"]
+        return {**last, "text": text, "logprobs": items}
 
     try:
         pairs = zip(streams, firsts, strict=True)
@@ -91,12 +118,23 @@ async def collect(
         reason = r["finish_reason"]
         if chat:
             message = {"role": "assistant", "content": r["text"]}
-            choices.append({"index": i, "message": message, "finish_reason": reason})
+            lp = logprobs.chat(r["logprobs"])
+            choices.append(
+                {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
+            )
         else:
-            choices.append({"index": i, "text": r["text"], "finish_reason": reason})
+            lp = logprobs.completion(r["logprobs"], 0)
+            choice = {"index": i, "text": r["text"], "logprobs": lp, "finish_reason": reason}
+            if r.get("prompt_logprobs") is not None:
+                choice["prompt_logprobs"] = r["prompt_logprobs"]
+            choices.append(choice)
     prompt = results[0]["prompt_tokens"]
     completion = sum(r["completion_tokens"] for r in results)
+    extra = {}
+    if chat and results[0].get("prompt_logprobs") is not None:  # vLLM's place for them
+        extra["prompt_logprobs"] = results[0]["prompt_logprobs"]
     return {
+        **extra,
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": now(),
@@ -128,12 +166,20 @@ async def sse(
     created = now()
     kind = "chat.completion.chunk" if chat else "text_completion"
 
+    offsets = [0] * len(streams)  # characters of each choice already sent (text_offset)
+
     def chunk(index: int, delta: dict[str, Any]) -> str:
         text, reason = delta["delta_text"], delta["finish_reason"]
+        items = delta.get("logprobs")
         if chat:
             choice = {"index": index, "delta": {"content": text}, "finish_reason": reason}
+            if items is not None:
+                choice["logprobs"] = logprobs.chat(items)
         else:
             choice = {"index": index, "text": text, "finish_reason": reason}
+            if items is not None:
+                choice["logprobs"] = logprobs.completion(items, offsets[index])
+        offsets[index] += len(text)
         obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": body.model}
         obj["choices"] = [choice]
         if delta["finished"]:  # like a whole response: the verdict and the warnings

@@ -87,10 +87,10 @@ def serve_command(args: argparse.Namespace) -> int:
     print(f"structserve: ready at {url}/v1 (OpenAI API)")
     if made_key:
         print(f"structserve: API key for the default tenant: {key}")
+    body = {"model": cfg.served_model_name, "messages": [{"role": "user", "content": "Hi"}]}
     print(
         f"  curl {url}/v1/chat/completions -H 'Authorization: Bearer $KEY' "
-        "-H 'Content-Type: application/json' "
-        """-d '{"model": "any", "messages": [{"role": "user", "content": "Hi"}]}'"""
+        f"-H 'Content-Type: application/json' -d '{json.dumps(body)}'"
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -78,6 +78,8 @@ class TelemetryConfig(_Strict):
 class ServiceConfig(_Strict):
     model: str | None = None  # a local HF folder; None: the default SmolLM2 package
     served_model_name: str = "SmolLM2-135M-Instruct"
+    # other names the `model` field may use for it; any other name is a 404 model_not_found
+    model_aliases: list[str] = Field(default_factory=list)
     redis_url: str | None = None  # None: an in-process cache, registrations not shared
     api_keys_file: str | None = None  # JSON {tenant: [sha256, ...]} (a mounted Secret)
     tenants: list[TenantConfig] = Field(default_factory=list)

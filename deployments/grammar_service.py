@@ -46,9 +46,8 @@ def grammar_backend(config: ServiceConfig) -> Any:
     tokenizer and configs only (no weights)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from services.engine.engine import eos_token_ids
     from services.engine.grammar.xgrammar_backend import XGrammarBackend
-    from services.models.loader import resolve_model_dir
+    from services.models import eos_token_ids, resolve_model_dir
 
     _, folder = resolve_model_dir(config.model)
     tok = AutoTokenizer.from_pretrained(folder)

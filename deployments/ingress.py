@@ -18,25 +18,28 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openapi
-from deployments.answers import ApiError, cancel, collect, error_response, sse
+from deployments.answers import ApiError, cancel, collect, error_response, read_body, sse
 from deployments.config import ServiceConfig
+from deployments.grammar_api import GrammarRegistration, grammar_view, raise_for
 from deployments.observe import RequestObs, observe
 from deployments.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    ResponseFormat,
-    StructuredOutputs,
+    DetokenizeRequest,
+    TokenizeRequest,
+    client_request_id,
+    engine_id,
     new_id,
-    sampling_from,
-    structured_from,
 )
 from deployments.telemetry_hub import pusher, setup
 from deployments.tenants import AuthError, LimitError, Tenants
+from deployments.translate import sampling_from, structured_from
 from services import telemetry
 from services.telemetry.snapshot import render
 
@@ -50,6 +53,12 @@ async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
     return error_response(err)
 
 
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404) and methods (405), in the OpenAI shape too."""
+    return error_response(ApiError(err.status_code, str(err.detail)))
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid body"}
@@ -59,42 +68,14 @@ async def _validation_error(_request: Request, err: RequestValidationError) -> J
     return error_response(ApiError(400, message, param))
 
 
-class GrammarRegistration(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, max_length=128)
-    structured_outputs: StructuredOutputs | None = None
-    response_format: ResponseFormat | None = None
-    fidelity: str = Field(default="warn", pattern="^(warn|strict)$")
-
-
-def _raise_for(out: Any) -> None:
-    if isinstance(out, dict) and "error" in out:
-        raise ApiError(int(out["status"]), out["error"], reason="grammar_busy")
-
-
-def _grammar_view(reg: dict[str, Any], spec: bool = False) -> dict[str, Any]:
-    view = {
-        "id": reg["grammar_id"],
-        "object": "grammar",
-        "name": reg["name"],
-        "kind": reg["spec"]["kind"],
-        "created": int(reg["created"]),
-        "bytes": reg["bytes"],
-        "compile_seconds": reg["compile_s"],
-        "fidelity": {"loosened": reg["warnings"]},
-    }
-    if spec:
-        view["spec"] = reg["spec"]
-    return view
-
-
 openapi.install(
     app,
     {
         "/v1/chat/completions": ChatCompletionRequest,
         "/v1/completions": CompletionRequest,
         "/v1/grammars": GrammarRegistration,
+        "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest,
     },
 )
 
@@ -129,23 +110,17 @@ class Ingress:
             raise ApiError(401, str(exc)) from exc
 
     async def _body(self, request: Request, model: type[BaseModel]) -> Any:
-        limit = self.config.ingress.max_body_bytes
-        if int(request.headers.get("content-length") or 0) > limit:
-            raise ApiError(413, f"body: larger than {limit} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():  # counted as it arrives: no unbounded buffer
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"body: larger than {limit} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            return model.model_validate_json(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(x) for x in first["loc"]) or None
-            msg = first["msg"].removeprefix("Value error, ")
-            raise ApiError(400, f"{param}: {msg}" if param else msg, param) from exc
+        return await read_body(request, model, self.config.ingress.max_body_bytes)
+
+    def _check_model(self, model: str) -> None:
+        names = (self.config.served_model_name, *self.config.model_aliases)
+        if model not in names:
+            raise ApiError(
+                404,
+                f"model: {model[:100]!r} does not exist; this server serves {names[0]!r}",
+                "model",
+                code="model_not_found",
+            )
 
     def _admit(self, tenant: str, slots: int = 1) -> None:
         try:
@@ -156,7 +131,7 @@ class Ingress:
     def _params(self, tenant: str, body: Any) -> Any:
         lim = self.tenants.limits_of(tenant)
         try:
-            return sampling_from(body, lim.max_tokens, min(lim.max_tokens, 256))
+            return sampling_from(body, lim.max_tokens)
         except BadRequest as exc:
             raise ApiError(400, str(exc), exc.param) from exc
 
@@ -165,15 +140,16 @@ class Ingress:
 
         if params.seed is not None and index:
             params = replace(params, seed=params.seed + index)
-        messages = None
+        messages = template = None
         prompt = None
         if isinstance(body, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            template = body.template_options()
         else:
             p = body.prompt
             prompt = p[0] if isinstance(p, list) and isinstance(p[0], str) else p
         return self.llm.options(stream=True).generate.remote(
-            prompt, messages, params, obs.tenant, f"{rid}-{index}", obs.carrier
+            prompt, messages, params, obs.tenant, engine_id(rid, index), obs.carrier, template
         )
 
     async def _first(self, stream: Any) -> dict[str, Any]:
@@ -212,8 +188,9 @@ class Ingress:
     async def _complete(self, request: Request, chat: bool, obs: RequestObs) -> Response:
         tenant = obs.tenant = await self._tenant(request)
         body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
+        self._check_model(body.model)
         params = self._params(tenant, body)
-        rid = new_id("chatcmpl" if chat else "cmpl")
+        rid = new_id("chatcmpl" if chat else "cmpl", client_request_id(request.headers))
         obs.describe(body, params, rid, self.config.served_model_name)
         self._admit(tenant, body.n)
         streams: list[Any] = []
@@ -266,7 +243,7 @@ class Ingress:
             out = await self.grammar.register.remote(tenant, body.name, structured)
         finally:
             self.tenants.release(tenant)
-        _raise_for(out)
+        raise_for(out)
         return JSONResponse(
             {
                 "id": out["grammar_id"],
@@ -283,28 +260,55 @@ class Ingress:
     async def list_grammars(self, request: Request) -> JSONResponse:
         tenant = await self._tenant(request)
         out = await self.grammar.registrations.remote(tenant)
-        _raise_for(out)
-        return JSONResponse({"object": "list", "data": [_grammar_view(r) for r in out]})
+        raise_for(out)
+        return JSONResponse({"object": "list", "data": [grammar_view(r) for r in out]})
 
     async def get_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
         tenant = await self._tenant(request)
         out = await self.grammar.registrations.remote(tenant, grammar_id)
-        _raise_for(out)
-        return JSONResponse(_grammar_view(out, spec=True))
+        raise_for(out)
+        return JSONResponse(grammar_view(out, spec=True))
 
     async def delete_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
         tenant = await self._tenant(request)
         out = await self.grammar.delete.remote(tenant, grammar_id)
-        _raise_for(out)
+        raise_for(out)
         return JSONResponse({"id": grammar_id, "object": "grammar", "deleted": True})
 
     # -- the rest ------------------------------------------------------------------------
 
     async def models(self, request: Request) -> JSONResponse:
         await self._tenant(request)
-        name = self.config.served_model_name
-        model = {"id": name, "object": "model", "created": 0, "owned_by": "structserve"}
-        return JSONResponse({"object": "list", "data": [model]})
+        names = (self.config.served_model_name, *self.config.model_aliases)
+        data = [
+            {"id": n, "object": "model", "created": 0, "owned_by": "structserve"} for n in names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: the token ids a prompt (or templated messages) becomes."""
+        await self._tenant(request)
+        body = await self._body(request, TokenizeRequest)
+        self._check_model(body.model)
+        messages = template = None
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            template = {
+                "add_generation_prompt": body.add_generation_prompt,
+                "continue_final_message": body.continue_final_message,
+                **(body.chat_template_kwargs or {}),
+            }
+        out = await self.llm.tokenize.remote(body.prompt, messages, template)
+        raise_for(out)
+        return JSONResponse(out)
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        await self._tenant(request)
+        body = await self._body(request, DetokenizeRequest)
+        self._check_model(body.model)
+        out = await self.llm.detokenize.remote(body.tokens)
+        raise_for(out)
+        return JSONResponse(out)
 
     async def healthz(self) -> JSONResponse:
         try:
@@ -367,6 +371,18 @@ class Ingress:
     @app.get("/healthz")
     async def health(self) -> JSONResponse:
         return await self.healthz()
+
+    @app.get("/health")  # vLLM's name for it
+    async def health_alias(self) -> JSONResponse:
+        return await self.healthz()
+
+    @app.post("/tokenize")
+    async def post_tokenize(self, request: Request) -> JSONResponse:
+        return await self.tokenize(request)
+
+    @app.post("/detokenize")
+    async def post_detokenize(self, request: Request) -> JSONResponse:
+        return await self.detokenize(request)
 
     @app.get("/metrics")
     async def prometheus(self) -> PlainTextResponse:

@@ -7,13 +7,12 @@ structural_tag), plus `grammar_id` (a registered grammar) and `kv_policy`.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from services.engine.params import KVPolicy, SamplingParams, StructuredOutput
 
 
 class _Body(BaseModel):
@@ -49,7 +48,9 @@ class StructuredOutputs(_Body):
     grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
     grammar_id: str | None = None
-    whitespace_pattern: str | None = None  # accepted for vLLM compatibility, not used
+    whitespace_pattern: str | None = None  # refused: xgrammar takes no whitespace regex
+    disable_any_whitespace: bool = False  # compact JSON
+    disable_additional_properties: bool = False
 
 
 class KVPolicyBody(_Body):
@@ -73,7 +74,17 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+# Fields a client may send that change nothing in the output: accepted and not used. Any other
+# field the bodies below do not declare is refused with a 400 naming it (never silently dropped).
+HARMLESS_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
+)
+MAX_TOP_LOGPROBS = 20
+
+
 class _Common(_Body):
+    model_config = ConfigDict(extra="allow")  # checked by `_known_fields`
+
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
@@ -83,15 +94,30 @@ class _Common(_Body):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    # sampling controls, with vLLM's names and bounds (SamplingParams says what each does)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=100)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI sends it) -> bias
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=0)  # each prompt token's own
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     grammar_id: str | None = None
     kv_policy: KVPolicyBody | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
+    # older vLLM clients and SGLang's: aliases of `structured_outputs` (structured_fields.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -101,12 +127,15 @@ class _Common(_Body):
         return v
 
     @model_validator(mode="after")
-    def _unsupported(self) -> _Common:
-        if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty and presence_penalty are not supported; use 0")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
+    def _known_fields(self) -> _Common:
+        unknown = sorted(set(self.model_extra or {}) - HARMLESS_FIELDS)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not supported by this server (remove it)")
         return self
+
+    def logprobs_wanted(self) -> int | None:
+        """How many top alternatives per output token (None: no log-probabilities)."""
+        raise NotImplementedError
 
 
 class ChatMessage(_Body):
@@ -138,19 +167,48 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # only meaningful with tools
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _no_tools(self) -> ChatCompletionRequest:
         if self.tools:
             raise ValueError("tools: not supported yet; use structured_outputs.structural_tag")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: there are no tools to choose from")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt (set it "
+                "to false)"
+            )
         return self
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_options(self) -> dict[str, Any]:
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            **(self.chat_template_kwargs or {}),
+        }
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field(min_length=1)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _single(self) -> CompletionRequest:
@@ -162,6 +220,32 @@ class CompletionRequest(_Common):
         return self
 
 
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a prompt, or chat messages through the template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
 class BadRequest(ValueError):
     """A 400 naming the offending field (`param`), in the OpenAI error shape."""
 
@@ -170,95 +254,30 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def structured_from(body: Any) -> StructuredOutput | None:
-    """At most one of the body's `response_format` (json), `structured_outputs` and `grammar_id`
-    (a completion request, or a grammar registration, which has no `grammar_id`)."""
-    chosen: list[tuple[str, dict[str, Any]]] = []
-    rf = body.response_format
-    if rf is not None and rf.type == "json_object":
-        chosen.append(("response_format", {"json_object": True}))
-    elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-        strict = rf.json_schema.strict is not False
-        opts = {"json_schema": rf.json_schema.schema_, "strict": strict}
-        chosen.append(("response_format", opts))
-    so = body.structured_outputs
-    if so is not None:
-        kinds = {
-            "json_schema": so.json_,
-            "regex": so.regex,
-            "choice": so.choice,
-            "grammar": so.grammar,
-            "structural_tag": so.structural_tag,
-            "grammar_id": so.grammar_id,
-        }
-        given = {k: v for k, v in kinds.items() if v is not None}
-        if len(given) != 1:
-            raise BadRequest(
-                "structured_outputs: set exactly one of json, regex, choice, grammar, "
-                "structural_tag, grammar_id",
-                "structured_outputs",
-            )
-        chosen.append(("structured_outputs", given))
-    grammar_id = getattr(body, "grammar_id", None)
-    if grammar_id is not None:
-        chosen.append(("grammar_id", {"grammar_id": grammar_id}))
-    if not chosen:
-        return None
-    if len(chosen) > 1:
-        names = ", ".join(name for name, _ in chosen)
-        raise BadRequest(f"{names}: give one way of constraining the output", chosen[1][0])
-    field, kwargs = chosen[0]
-    if isinstance(kwargs.get("structural_tag"), str):
-        import json
-
-        try:
-            kwargs["structural_tag"] = json.loads(kwargs["structural_tag"])
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise BadRequest(f"structural_tag: not valid JSON ({exc})", field) from exc
-    try:
-        return StructuredOutput(**kwargs)
-    except ValueError as exc:
-        raise BadRequest(str(exc), field) from exc
-
-
-def sampling_from(body: _Common, max_tokens_cap: int, default_max_tokens: int) -> SamplingParams:
-    requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    max_tokens = requested or default_max_tokens
-    if max_tokens > max_tokens_cap:
-        raise BadRequest(
-            f"max_tokens: {max_tokens} is above this tenant's limit of {max_tokens_cap}",
-            "max_tokens",
-        )
-    kv = None
-    if body.kv_policy is not None:
-        try:
-            kv = KVPolicy(**body.kv_policy.model_dump())
-        except ValueError as exc:
-            raise BadRequest(str(exc), "kv_policy") from exc
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=body.stop,
-            ignore_eos=body.ignore_eos,
-            structured=structured_from(body),
-            kv=kv,
-        )
-    except BadRequest:
-        raise
-    except ValueError as exc:
-        raise BadRequest(str(exc), str(exc).split(":")[0]) from exc
-
-
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def client_request_id(headers: Any) -> str | None:
+    """The client's `X-Request-Id`, when it is a plain short token (anything else is ignored:
+    it ends up in logs and span attributes)."""
+    value = headers.get("x-request-id")
+    return value if value is not None and _REQUEST_ID.match(value) else None
+
+
+def new_id(prefix: str, client_id: str | None = None) -> str:
+    """The response id: the client's `X-Request-Id` after the prefix, as vLLM does, else a new
+    one. Engine ids add a suffix of their own, so two requests sharing a client id never clash."""
+    return f"{prefix}-{client_id}" if client_id else f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def engine_id(response_id: str, choice: int) -> str:
+    """The engine's id for one choice: unique even when clients reuse an `X-Request-Id`."""
+    return f"{response_id}-{choice}-{uuid.uuid4().hex[:8]}"
 
 
 def now() -> int:

@@ -20,6 +20,7 @@ from typing import Any
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
+from deployments import logprobs
 from deployments.config import ServiceConfig
 from deployments.telemetry_hub import setup
 from services.engine.async_llm import AsyncLLM
@@ -44,10 +45,12 @@ def refusal_dict(message: str, status: int) -> dict[str, Any]:
         "warnings": [message],
         "validated": None,
         "error_status": status,
+        "logprobs": None,
+        "prompt_logprobs": None,
     }
 
 
-def delta_dict(out: RequestOutput) -> dict[str, Any]:
+def delta_dict(out: RequestOutput, text: logprobs.TokenText) -> dict[str, Any]:
     """What crosses the handle for one streamed step (small: no prompt ids, no whole text)."""
     return {
         "delta_text": out.delta_text,
@@ -59,6 +62,8 @@ def delta_dict(out: RequestOutput) -> dict[str, Any]:
         "warnings": out.warnings if out.finished else [],
         "validated": out.validated,
         "error_status": out.error_status,
+        "logprobs": logprobs.entries(out, text),
+        "prompt_logprobs": logprobs.prompt_entries(out, text) if out.finished else None,
     }
 
 
@@ -78,6 +83,7 @@ class LLMReplica:
             remote = RemoteVerdicts(grammar_handle, backend.tokenizer_info)  # type: ignore[attr-defined]
             self.engine.grammars.use_provider(ServiceGrammarProvider(backend, remote))  # type: ignore[arg-type]
         self.llm = AsyncLLM(self.engine)
+        self.token_text = logprobs.TokenText(self.engine.tokenizer)
         self.model_name = cfg.served_model_name
 
     async def generate(
@@ -88,9 +94,11 @@ class LLMReplica:
         tenant: str,
         request_id: str,
         trace: dict[str, str] | None = None,
+        template: dict[str, Any] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
+        """`template`: chat template options (`add_generation_prompt`, ...)."""
         try:  # off the event loop and the engine thread, after the character cap
-            prompt_ids = await self.llm.encode(prompt, messages)
+            prompt_ids = await self.llm.encode(prompt, messages, template)
         except ValueError as exc:
             yield refusal_dict(str(exc)[:300], 400)
             return
@@ -113,7 +121,7 @@ class LLMReplica:
         try:
             async for out in stream:
                 last = out
-                yield delta_dict(out)
+                yield delta_dict(out, self.token_text)
         except asyncio.CancelledError:  # the client went away: free the slot and the pages
             self.llm.abort(request_id)
             raise
@@ -145,6 +153,27 @@ class LLMReplica:
         if out is None or not out.finished:
             span.set_attribute(spans.RESPONSE_FINISH_REASONS, ["abort"])
         span.end()
+
+    async def tokenize(
+        self,
+        prompt: str | None,
+        messages: list[dict[str, Any]] | None,
+        template: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        try:
+            ids = await self.llm.encode(prompt, messages, template)
+        except ValueError as exc:
+            return {"error": str(exc)[:300], "status": 400}
+        limit = self.engine.max_model_len
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
+
+    async def detokenize(self, tokens: list[int]) -> dict[str, Any]:
+        vocab = self.engine.runner.vocab_size
+        if bad := [t for t in tokens if not 0 <= t < vocab]:
+            message = f"tokens: {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            return {"error": message, "status": 400}
+        text = await asyncio.to_thread(self.engine.tokenizer.decode, tokens)
+        return {"prompt": text}
 
     async def check_health(self) -> None:
         self.llm.check_alive()

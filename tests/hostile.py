@@ -70,6 +70,27 @@ CASES = [
         http={"top_p": 5e-324},
     ),
     Case("top_k_minus_one", "numerics", None, {"temperature": 1.0, "top_k": -1, "seed": 2}),
+    Case(
+        "huge_logit_bias",
+        "numerics",
+        None,
+        {"temperature": 1.0, "seed": 5, "logit_bias": {t: 100.0 for t in range(1024)}},
+        http={"logit_bias": {str(t): 100 for t in range(1024)}},
+    ),
+    Case(
+        "extreme_penalties",
+        "numerics",
+        None,
+        {"repetition_penalty": 1e30, "presence_penalty": -2.0, "frequency_penalty": 2.0},
+        http={"repetition_penalty": 100, "presence_penalty": -2, "frequency_penalty": 2},
+    ),
+    Case(
+        "min_tokens_at_max_with_every_logprob",
+        "numerics",
+        None,
+        {"min_tokens": 32, "logprobs": 20},
+        http={"min_tokens": 32, "logprobs": True, "top_logprobs": 20},
+    ),
     Case("min_p_one", "numerics", None, {"temperature": 1.0, "min_p": 1.0, "seed": 3}),
     Case(
         "huge_seed",

@@ -7,7 +7,7 @@ the vocabulary; every refusal names the field and the limit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.engine.params import KVPolicy
@@ -53,10 +53,15 @@ def tokenize(tokenizer: Any, prompt: Prompt, max_chars: int) -> list[int]:
         raise ValueError("prompt: token ids must be integers") from exc
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: int) -> list[int]:
+def chat_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], max_chars: int, **options: Any
+) -> list[int]:
+    """`options`: the template's (`add_generation_prompt`, `continue_final_message`, and any
+    keyword the template reads)."""
     check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages", max_chars)
+    options.setdefault("add_generation_prompt", True)
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, **options)
     except Exception as exc:  # the template's own checks (roles, their order) raise
         raise ValueError(f"messages: the chat template refused them ({exc})"[:300]) from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -65,7 +70,8 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], max_chars: int) -> 
 
 
 def refusal(req: Request, lim: Limits) -> str | None:
-    """Why the request cannot run here (None: it can); sets its policy's context limit."""
+    """Why the request cannot run here (None: it can); sets its policy's context limit, and
+    lowers a `fit_max_tokens` request's max_tokens to the context left."""
     params, n = req.params, req.num_prompt_tokens
     if n == 0:
         return "prompt: is empty"
@@ -75,6 +81,8 @@ def refusal(req: Request, lim: Limits) -> str | None:
         if refused:
             return refused
         limit = req.context_limit = context_limit(req.kv_state.policy, lim)
+    if n + params.max_tokens > limit and params.fit_max_tokens and params.min_tokens < limit - n:
+        req.params = params = replace(params, max_tokens=limit - n)
     if n + params.max_tokens > limit:
         return (
             f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -83,6 +91,12 @@ def refusal(req: Request, lim: Limits) -> str | None:
     vocab = lim.vocab_size  # scanned once the length is known to fit
     if bad := [t for t in req.prompt_token_ids if not 0 <= t < vocab]:
         return f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+    for field, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias),
+    ):
+        if bad := [t for t in ids or () if t >= vocab]:
+            return f"{field}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
     snapkv = req.kv_state is not None and req.kv_state.policy.kind == "snapkv"
     if snapkv and n > lim.pool_tokens:  # the whole prompt is cached until it has voted
         return f"prompt: {n} tokens do not fit the KV pool ({lim.pool_tokens} tokens)"

@@ -91,13 +91,17 @@ class AsyncLLM:
         self._thread.start()
 
     async def encode(
-        self, prompt: Prompt | None = None, messages: list[dict[str, Any]] | None = None
+        self,
+        prompt: Prompt | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        template: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a prompt or of chat messages (templated); `ValueError` naming the field
-        when they are over `max_prompt_chars` or the template refuses them."""
+        """Token ids of a prompt or of chat messages (templated with `template` options);
+        `ValueError` naming the field when they are over `max_prompt_chars` or the template
+        refuses them."""
         engine = self.engine
         if messages is not None:
-            call = functools.partial(engine.apply_chat_template, messages)
+            call = functools.partial(engine.apply_chat_template, messages, **(template or {}))
         elif prompt is not None:
             call = functools.partial(engine.tokenize, prompt)
         else:

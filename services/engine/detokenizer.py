@@ -17,8 +17,16 @@ _CONTEXT_TOKENS = 6  # prompt tokens decoded with the output so the first word k
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...],
+        min_tokens: int = 0,  # stop strings found before this many tokens do not stop
+    ) -> None:
         self._tokenizer = tokenizer
+        self._min_tokens = min_tokens
+        self._added = 0
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -36,6 +44,7 @@ class IncrementalDetokenizer:
             if self.stopped:
                 return
             self._ids.append(tid)
+            self._added += 1
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             new_text = self._decode(self._ids[self._prefix_offset :])
             if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -49,8 +58,8 @@ class IncrementalDetokenizer:
     def _check_stop(self, before: int) -> None:
         if self._stop is None:
             return
-        cut = self._stop.feed(self.text, before)
-        if cut is not None:
+        cut = self._stop.feed(self.text, before)  # fed in any case: a later match may span it
+        if cut is not None and self._added >= self._min_tokens:
             self.text = self.text[:cut]
             self.stopped = True
 

@@ -20,6 +20,7 @@ import torch
 
 from kvcache.policies import new_state
 from services.engine import admission, isolation
+from services.engine import logits as logits_processors
 from services.engine.admission import Prompt
 from services.engine.boundary import Boundary, RequestError
 from services.engine.config import EngineConfig
@@ -28,7 +29,7 @@ from services.engine.grammar.manager import Failure, GrammarManager
 from services.engine.grammar.provider import GrammarProvider
 from services.engine.kv_offload import OffloadManager
 from services.engine.model_runner import ModelRunner
-from services.engine.params import FinishReason, RequestOutput, SamplingParams
+from services.engine.params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampled, Sampler
 from services.engine.scheduler import (
@@ -37,7 +38,7 @@ from services.engine.scheduler import (
     SchedulerOutput,
 )
 from services.kv_tier import HostPageStore
-from services.models import LoadedModel
+from services.models import LoadedModel, eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +124,10 @@ class LLMEngine:
         Thread-safe: servers call it off the engine thread."""
         return admission.tokenize(self.tokenizer, prompt, self.limits.max_prompt_chars)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template applied and tokenized, after the same character cap."""
-        return admission.chat_ids(self.tokenizer, messages, self.limits.max_prompt_chars)
+    def apply_chat_template(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """The chat template applied and tokenized, after the same character cap; `options`
+        go to the template (`add_generation_prompt`, `continue_final_message`, ...)."""
+        return admission.chat_ids(self.tokenizer, messages, self.limits.max_prompt_chars, **options)
 
     def add_request(
         self,
@@ -165,6 +167,7 @@ class LLMEngine:
             self.tokenizer,
             req.prompt_token_ids,
             params.stop or (),  # type: ignore[arg-type]
+            min_tokens=params.min_tokens,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device)
@@ -213,6 +216,7 @@ class LLMEngine:
         logits = isolation.forward(
             self.runner, self.boundary, sched.chunks, sampling, self.check_fault
         )
+        logits_processors.apply(logits, sampling)  # penalties, bias, min_tokens: before the mask
         self._fail_each(self.grammars.apply_masks(masks, logits))
         tokens = isolation.sample(self.sampler, logits, sampling)
         updated = self._update(sched, sampling, tokens)
@@ -246,10 +250,16 @@ class LLMEngine:
                 stage("sample")
                 if i in sampled.failed:
                     raise RequestError(sampled.failed[i])
-                self._advance(req, token, stage)
+                self._advance(req, token, stage, sampled.logprobs.get(i))
         return sampling
 
-    def _advance(self, req: Request, token: int, stage: Callable[[str], None]) -> None:
+    def _advance(
+        self,
+        req: Request,
+        token: int,
+        stage: Callable[[str], None],
+        logprob: TokenLogprob | None = None,
+    ) -> None:
         """Appends one sampled token (or the span jump-forward makes of it) and checks stops."""
         stage("accept")
         reason = self.grammars.accept(req, token)
@@ -262,6 +272,8 @@ class LLMEngine:
             )
             new = self.grammars.jump_forward(req, token, room)
         req.token_ids.extend(new)
+        if logprob is not None:
+            req.record_logprobs(logprob, new)
         stage("detokenize")  # stop strings are matched as the text grows
         req.detokenizer.add_tokens(new)
         stage("stop")
@@ -363,6 +375,7 @@ class LLMEngine:
             validated=req.validated,
             error_status=req.error_status,
             prompt_logprobs=req.prompt_logprobs if req.finished else None,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
         )
 
     def error_output(self, req: Request, reason: str) -> RequestOutput:
@@ -389,13 +402,3 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and req.done:
             del self.requests[request_id]
-
-
-def eos_token_ids(*sources: Any) -> frozenset[int]:
-    """Every end-of-sequence id named by the generation config, the model config or the tokenizer
-    (the grammar service computes the same set, so both build the same tokenizer info)."""
-    ids: set[int] = set()
-    for source in sources:
-        eos = getattr(source, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return frozenset(ids)

@@ -179,6 +179,8 @@ SAMPLING_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs bound
+MAX_LOGIT_BIAS = 1024  # OpenAI has no bound; a dict this long is already a vocabulary slice
 _SEED_RANGE = (-(2**63), 2**64)  # what a torch.Generator accepts
 
 
@@ -200,8 +202,19 @@ class SamplingParams:
     prompt_logprobs: bool = False
     structured: StructuredOutput | None = None
     kv: KVPolicy | None = None
-    # after the public positional order: drop tokens below min_p x the most likely one's probability
-    min_p: float = 0.0
+    # Below, after the public positional order, vLLM's sampling controls with its bounds:
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability, in [0, 1]
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from every token in the output
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
+    # > 0: logits of tokens in the prompt or the output are divided by it (multiplied when < 0)
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # no EOS, stop token or stop string ends the output before this many
+    # the sampled token's log-probability and this many of the most likely ones (0..20)
+    logprobs: int | None = None
+    # max_tokens is only a cap: lowered to the context left after the prompt (an HTTP request
+    # that did not set it, as in vLLM)
+    fit_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -220,6 +233,37 @@ class SamplingParams:
             raise ValueError(f"seed: must be in [-2**63, 2**64), got {self.seed}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0 or math.isinf(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        bias = dict(self.logit_bias or {})
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias: {token!r} is not a token id")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias: {value} for token {token} is not in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias or None)
+
+    @property
+    def penalized(self) -> bool:
+        """True when a logits processor (services/engine/logits.py) has work for this request."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:
@@ -312,3 +356,17 @@ class RequestOutput:
     validated: bool | None = None  # JSON outputs: whether the text validated against the schema
     error_status: int | None = None  # finish_reason "error": 400 bad input, 404, 422, 429
     prompt_logprobs: list[float] | None = None  # SamplingParams.prompt_logprobs: tokens 1..n-1
+    # SamplingParams.logprobs: one per output token (all of them: stream deltas slice it)
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability and the most likely alternatives, from the logits the
+    token was drawn from after penalties and the grammar's mask, before temperature and the
+    top-k/top-p/min-p cuts (vLLM's processed-logits choice). A token jump-forward appended was
+    forced by the grammar: 0.0, alone among its alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

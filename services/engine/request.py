@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.params import FinishReason, RequestMetrics, SamplingParams
+from services.engine.params import FinishReason, RequestMetrics, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from kvcache.policies import KVState
@@ -59,6 +59,7 @@ class Request:
     validation: PendingValidation | None = None  # finished, its output still being validated
     error_status: int | None = None  # finish_reason "error": the HTTP status it maps to
     prompt_logprobs: list[float] | None = None
+    logprobs: list[TokenLogprob] | None = None  # SamplingParams.logprobs: one per output token
     _emitted_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -109,6 +110,16 @@ class Request:
     def done(self) -> bool:
         """Finished, and its output's validation (if any) is in: its last output can go out."""
         return self.finished and self.validation is None
+
+    def record_logprobs(self, sampled: TokenLogprob, appended: list[int]) -> None:
+        """The sampled token's entry; tokens jump-forward forced get probability 1 (0.0)."""
+        if self.logprobs is None:
+            self.logprobs = []
+        for i, token in enumerate(appended):
+            if i == 0 and token == sampled.token_id:
+                self.logprobs.append(sampled)
+            else:
+                self.logprobs.append(TokenLogprob(token, 0.0, ((token, 0.0),)))
 
     def take_new_token_ids(self) -> list[int]:
         new = self.token_ids[self.num_prompt_tokens + self._emitted_tokens :]

@@ -11,10 +11,12 @@ replaced by a harmless stand-in and reported in `Sampled.failed`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.params import TokenLogprob
 from services.engine.request import Request
 
 
@@ -22,6 +24,7 @@ from services.engine.request import Request
 class Sampled:
     tokens: list[int]
     failed: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # rows that asked for them
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,32 @@ def usable_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~bad & (logits > float("-inf")).any(dim=-1)
 
 
+def _logprobs(
+    logits: torch.Tensor, requests: list[Request], out: torch.Tensor
+) -> Callable[[list[int]], dict[int, TokenLogprob]] | None:
+    """The sampled token's log-probability and the top ones, for the rows that ask, from the
+    logits as the sampler received them (penalties and mask applied, no temperature yet): queued
+    on the device now, read (given the sampled tokens) once those have been transferred."""
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return None
+    lsm = torch.log_softmax(logits[rows], dim=-1)
+    chosen = lsm.gather(1, out[rows][:, None])
+    k = max(requests[i].params.logprobs or 0 for i in rows)
+    top_v, top_i = lsm.topk(k, dim=-1) if k else (lsm[:, :0], lsm[:, :0])
+    packed = torch.cat([chosen, top_v, top_i.to(lsm.dtype)], dim=1).double()
+
+    def read(tokens: list[int]) -> dict[int, TokenLogprob]:
+        result = {}
+        for row, values in zip(rows, packed.tolist(), strict=True):
+            n = requests[row].params.logprobs or 0
+            top = tuple((int(values[1 + k + j]), values[1 + j]) for j in range(n))
+            result[row] = TokenLogprob(tokens[row], values[0], top)
+        return result
+
+    return read
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -69,11 +98,12 @@ class Sampler:
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
             self._sample_rows(logits, requests, rows, out, ok, failed)
+        logprobs = _logprobs(logits, requests, out)  # before the transfer: computed on device
         tokens, usable = torch.stack([out, ok.long()]).tolist()  # one transfer from the device
         for i, good in enumerate(usable):
             if not good:
                 failed[i] = "sampling: the logits are not finite or no token is left to sample"
-        return Sampled(tokens, failed)
+        return Sampled(tokens, failed, logprobs(tokens) if logprobs is not None else {})
 
     def _sample_rows(
         self,

@@ -116,3 +116,13 @@ def load_model(
     )
     hf = cast(Any, hf).to(torch.device(device)).eval()
     return LoadedModel(name=name, path=path, model=hf, tokenizer=tokenizer)
+
+
+def eos_token_ids(*sources: Any) -> frozenset[int]:
+    """Every end-of-sequence id named by the generation config, the model config or the tokenizer
+    (the grammar service computes the same set, so both build the same tokenizer info)."""
+    ids: set[int] = set()
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services import LLM, SamplingParams
+from services.models import eos_token_ids
 
 NEW_TOKENS = 64
 PS = 16
@@ -96,3 +97,31 @@ def test_chunked_prefill_equals_unchunked(loaded_model, prompts, hf_tokens):
     _, chunked = run(loaded_model, prompts, max_num_batched_tokens=48)
     assert max(len(p) for p in prompts) > 48  # so the long prompts really are split
     assert chunked == hf_tokens
+
+
+def test_repetition_penalty_and_min_tokens_equal_hf_generate(loaded_model, prompts):
+    """HF's RepetitionPenaltyLogitsProcessor (prompt and output tokens) and min_new_tokens, in
+    one batch of the engine beside rows without them; EOS stays possible after min_tokens."""
+    model = loaded_model.model
+    model.set_attn_implementation("sdpa")
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample, config.max_new_tokens = False, 24
+    config.repetition_penalty, config.min_new_tokens = 1.3, 6
+    config.eos_token_id = sorted(
+        eos_token_ids(model.generation_config, model.config, loaded_model.tokenizer)
+    )
+    refs = []
+    with torch.inference_mode():
+        for p in prompts[:4]:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            refs.append(out[0, len(p) :].tolist())  # batch of one: ends at its EOS, no padding
+    penalized = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, min_tokens=6)
+    plain = SamplingParams(max_tokens=24, temperature=0.0)
+    llm = LLM(loaded=loaded_model, kv_cache_memory=64 << 20)
+    outs = llm.generate(prompts[:4] + prompts[:2], [penalized] * 4 + [plain] * 2)
+    for i, (out, ref) in enumerate(zip(outs[:4], refs, strict=True)):
+        assert out.token_ids == ref and len(out.token_ids) >= 6, i
+    assert [o.token_ids for o in outs[4:]] == [
+        o.token_ids for o in llm.generate(prompts[:2], plain)
+    ]

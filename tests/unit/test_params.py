@@ -75,7 +75,8 @@ def test_kv_policy_budgets_default_from_the_window():
 
 
 def test_http_kv_policy_reaches_the_engine_or_names_the_field():
-    from deployments.protocol import BadRequest, CompletionRequest, sampling_from
+    from deployments.protocol import BadRequest, CompletionRequest
+    from deployments.translate import sampling_from
 
     body = CompletionRequest.model_validate(
         {
@@ -84,7 +85,7 @@ def test_http_kv_policy_reaches_the_engine_or_names_the_field():
             "kv_policy": {"kind": "sinks", "window": 60, "rerotate": True},
         }
     )
-    kv = sampling_from(body, 100, 16).kv
+    kv = sampling_from(body, 100).kv
     assert kv is not None and kv.kind == "sinks" and kv.budget == 64 and kv.rerotate
     bad = CompletionRequest.model_validate(
         {
@@ -100,5 +101,5 @@ def test_http_kv_policy_reaches_the_engine_or_names_the_field():
         }
     )
     with pytest.raises(BadRequest) as err:
-        sampling_from(bad, 100, 16)
+        sampling_from(bad, 100)
     assert err.value.param == "kv_policy" and "kv.kernel_size" in str(err.value)

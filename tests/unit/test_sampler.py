@@ -91,3 +91,22 @@ def test_top_k_minus_one_and_above_the_vocabulary_cut_nothing():
     logits = torch.zeros(400, 3)
     out = Sampler(torch.device("cpu"))(logits, [req(top_k=10**6) for _ in range(400)])
     assert set(out.tokens) == {0, 1, 2}
+
+
+def test_logprobs_are_of_the_sampled_token_from_the_masked_logits():
+    logits = torch.tensor([[0.0, 1.0, 5.0, float("-inf")], [3.0, 2.0, 1.0, 0.0]])
+    reqs = [req(temperature=0, logprobs=2), req(seed=1, temperature=0.7)]
+    out = Sampler(torch.device("cpu"))(logits, reqs)
+    assert set(out.logprobs) == {0}  # only the row that asked
+    lp = out.logprobs[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert lp.token_id == 2 and abs(lp.logprob - expected[2].item()) < 1e-6
+    assert [t for t, _ in lp.top] == [2, 1]
+    assert abs(lp.top[1][1] - expected[1].item()) < 1e-6
+
+
+def test_logprobs_zero_gives_the_sampled_token_alone():
+    out = Sampler(torch.device("cpu"))(
+        torch.randn(1, 9), [req(temperature=1.0, seed=3, logprobs=0)]
+    )
+    assert out.logprobs[0].top == () and out.logprobs[0].token_id == out.tokens[0]

@@ -1,0 +1,157 @@
+"""From an HTTP body to the engine's `SamplingParams` and `StructuredOutput`.
+
+One way of constraining the output per request, whichever name the client uses for it:
+`response_format` (OpenAI), `structured_outputs` (vLLM), `grammar_id` (ours), and the aliases
+older vLLM clients and SGLang still send (`guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`; `json_schema`, `regex`, `ebnf`). Two at once is a 400 naming both.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from deployments.protocol import BadRequest
+from services.engine.params import KVPolicy, SamplingParams, StructuredOutput
+
+# alias field -> the StructuredOutput kind it means
+_ALIASES = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "json_schema": "json_schema",  # SGLang's, a JSON string or an object
+    "regex": "regex",
+    "ebnf": "grammar",
+}
+
+
+def _response_format(body: Any) -> dict[str, Any] | None:
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        return {"json_object": True}
+    if rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+        return {"json_schema": rf.json_schema.schema_, "strict": rf.json_schema.strict is not False}
+    return None
+
+
+def _structured_outputs(body: Any) -> dict[str, Any] | None:
+    so = body.structured_outputs
+    if so is None:
+        return None
+    kinds = {
+        "json_schema": so.json_,
+        "regex": so.regex,
+        "choice": so.choice,
+        "grammar": so.grammar,
+        "structural_tag": so.structural_tag,
+        "grammar_id": so.grammar_id,
+    }
+    given = {k: v for k, v in kinds.items() if v is not None}
+    if len(given) != 1:
+        raise BadRequest(
+            "structured_outputs: set exactly one of json, regex, choice, grammar, "
+            "structural_tag, grammar_id",
+            "structured_outputs",
+        )
+    if so.whitespace_pattern is not None:
+        raise BadRequest(
+            "structured_outputs.whitespace_pattern: not supported (use disable_any_whitespace)",
+            "structured_outputs.whitespace_pattern",
+        )
+    if so.disable_any_whitespace:
+        given["compact"] = True
+    if so.disable_additional_properties:
+        given["strict"] = True  # xgrammar's strict mode: no properties the schema does not list
+    return given
+
+
+def _chosen(body: Any) -> list[tuple[str, dict[str, Any]]]:
+    chosen = []
+    if (rf := _response_format(body)) is not None:
+        chosen.append(("response_format", rf))
+    if (so := _structured_outputs(body)) is not None:
+        chosen.append(("structured_outputs", so))
+    if getattr(body, "grammar_id", None) is not None:
+        chosen.append(("grammar_id", {"grammar_id": body.grammar_id}))
+    for field, kind in _ALIASES.items():
+        value = getattr(body, field, None)
+        if value is not None:
+            chosen.append((field, {kind: value}))
+    return chosen
+
+
+def structured_from(body: Any) -> StructuredOutput | None:
+    """At most one way of constraining the output (a completion request, or a grammar
+    registration, which has neither `grammar_id` nor the aliases)."""
+    if getattr(body, "guided_whitespace_pattern", None) is not None:
+        field = "guided_whitespace_pattern"
+        raise BadRequest(f"{field}: not supported (use disable_any_whitespace)", field)
+    chosen = _chosen(body)
+    if not chosen:
+        return None
+    if len(chosen) > 1:
+        names = ", ".join(name for name, _ in chosen)
+        raise BadRequest(f"{names}: give one way of constraining the output", chosen[1][0])
+    field, kwargs = chosen[0]
+    if isinstance(kwargs.get("structural_tag"), str):  # (a schema string: the engine parses it)
+        try:
+            kwargs["structural_tag"] = json.loads(kwargs["structural_tag"])
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise BadRequest(f"structural_tag: not valid JSON ({exc})", field) from exc
+    try:
+        return StructuredOutput(**kwargs)
+    except ValueError as exc:
+        raise BadRequest(str(exc), field) from exc
+
+
+def _logit_bias(body: Any) -> dict[int, float] | None:
+    if not body.logit_bias:
+        return None
+    try:
+        return {int(token): float(bias) for token, bias in body.logit_bias.items()}
+    except ValueError as exc:
+        raise BadRequest("logit_bias: keys must be token ids", "logit_bias") from exc
+
+
+def sampling_from(body: Any, max_tokens_cap: int) -> SamplingParams:
+    """`max_tokens` unset: the context left after the prompt, up to the tenant's cap (the
+    replica knows the prompt's length: `fit_max_tokens`)."""
+    requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if requested is not None and requested > max_tokens_cap:
+        raise BadRequest(
+            f"max_tokens: {requested} is above this tenant's limit of {max_tokens_cap}",
+            "max_tokens",
+        )
+    kv = None
+    if body.kv_policy is not None:
+        try:
+            kv = KVPolicy(**body.kv_policy.model_dump())
+        except ValueError as exc:
+            raise BadRequest(str(exc), "kv_policy") from exc
+    try:
+        return SamplingParams(
+            max_tokens=requested or max_tokens_cap,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            prompt_logprobs=body.prompt_logprobs is not None,
+            structured=structured_from(body),
+            kv=kv,
+            min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=_logit_bias(body),
+            min_tokens=body.min_tokens,
+            logprobs=body.logprobs_wanted(),
+            fit_max_tokens=requested is None,
+        )
+    except BadRequest:
+        raise
+    except ValueError as exc:
+        raise BadRequest(str(exc), str(exc).split(":")[0]) from exc
