@@ -42,7 +42,10 @@ def ends_in_loop(text: str, min_repeats: int = 3, min_span: int = 32, max_unit: 
     return False
 
 
-def decode(llm: LLM, runnable: list[tuple[str, Any]], max_tokens: int, batch: int) -> list[dict]:
+def decode(
+    llm: LLM, runnable: list[tuple[str, Any]], max_tokens: int, batch: int, args: Any
+) -> list[dict]:
+    finish = {} if not args.plain else {"bound_numbers": False, "max_repeat_run": None}
     results: list[dict] = []
     start = time.perf_counter()
     for i in range(0, len(runnable), batch):
@@ -53,7 +56,10 @@ def decode(llm: LLM, runnable: list[tuple[str, Any]], max_tokens: int, batch: in
         ]
         sps = [
             SamplingParams(
-                max_tokens=max_tokens, temperature=0, structured=StructuredOutput(json_schema=s)
+                max_tokens=max_tokens,
+                temperature=0,
+                repetition_penalty=args.repetition_penalty,
+                structured=StructuredOutput(json_schema=s, **finish),
             )
             for _, s in chunk
         ]
@@ -64,6 +70,7 @@ def decode(llm: LLM, runnable: list[tuple[str, Any]], max_tokens: int, batch: in
                     "finish_reason": out.finish_reason,
                     "validated": out.validated,
                     "looping": out.finish_reason == "length" and ends_in_loop(out.text),
+                    "ended_early": any("max_repeat_run" in w for w in out.warnings),
                     "tokens": len(out.token_ids),
                     "warnings": out.warnings,
                     "tail": out.text[-80:],
@@ -83,6 +90,12 @@ def main() -> None:
     p.add_argument("--retry-max-tokens", type=int, default=1024)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--jump-forward", action="store_true")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="no bounds on numbers, no repeat guard (services/engine/grammar/finish.py)",
+    )
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
     args = p.parse_args()
     files = sorted(MASKBENCH.glob("*.json"))
     if args.limit:
@@ -106,19 +119,20 @@ def main() -> None:
         f"{len(runnable)} to decode",
         flush=True,
     )
-    results = decode(llm, runnable, args.max_tokens, args.batch)
+    results = decode(llm, runnable, args.max_tokens, args.batch, args)
     unfinished = {r["file"] for r in results if r["finish_reason"] == "length" and not r["looping"]}
     if unfinished and args.retry_max_tokens > args.max_tokens:
         print(f"{len(unfinished)} unfinished without a loop: again with {args.retry_max_tokens}")
         retry = [x for x in runnable if x[0] in unfinished]
-        again = {r["file"]: r for r in decode(llm, retry, args.retry_max_tokens, args.batch)}
+        again = {r["file"]: r for r in decode(llm, retry, args.retry_max_tokens, args.batch, args)}
         results = [again.get(r["file"], r) for r in results]
 
     ok = [r for r in results if r["validated"]]
     bad = [r for r in results if not r["validated"]]
     looping = [r for r in bad if r["looping"]]
-    invalid = [r for r in bad if r["finish_reason"] != "length"]
-    no_loop = len(bad) - len(looping) - len(invalid)
+    early = [r for r in bad if r["ended_early"]]
+    invalid = [r for r in bad if r["finish_reason"] != "length" and not r["ended_early"]]
+    no_loop = len(bad) - len(looping) - len(invalid) - len(early)
     summary = {
         "schemas": len(files),
         "not_compiled": not_compiled,
@@ -128,15 +142,22 @@ def main() -> None:
         "looping": len(looping),
         "length_without_loop": no_loop,
         "terminated_invalid": len(invalid),
+        "ended_early_repeat": len(early),
+        "tokens": sum(r["tokens"] for r in results),
+        "plain": args.plain,
+        "repetition_penalty": args.repetition_penalty,
         "exceptions": bad,
         "max_tokens": args.max_tokens,
         "retry_max_tokens": args.retry_max_tokens,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "maskbench_eval.json").write_text(json.dumps(summary, indent=2))
+    name = "maskbench_eval_plain.json" if args.plain else "maskbench_eval.json"
+    (RESULTS / name).write_text(json.dumps(summary, indent=2))
     print(
         f"\nvalidated {len(ok)} of {len(results)} decoded outputs; {len(looping)} loop until "
-        f"max_tokens, {no_loop} reach it without a loop, {len(invalid)} terminated invalid"
+        f"max_tokens, {no_loop} reach it without a loop, {len(invalid)} terminated invalid, "
+        f"{len(early)} ended early by the repeat guard; "
+        f"{sum(r['tokens'] for r in results)} tokens decoded"
     )
     for r in bad:
         kind = "loop" if r["looping"] else r["finish_reason"]

@@ -10,6 +10,9 @@ concurrency: the ratio is the serving overhead (HTTP, Ray handles, SSE).
 with telemetry on (every request traced, spans kept in-process, metrics pushed to /metrics) and
 off, alternating `--repeats` times, and prints the overhead (on / off) per level.
 
+Its tool-calling workload (`tool_choice="required"` over 4 tools, tokens/s beside JSON-schema
+output) is `benchmarks/tool_calls.py`, on the same service set-up.
+
     .venv/bin/python benchmarks/serving.py [--levels 1,8,32] [--max-tokens 32]
     .venv/bin/python benchmarks/serving.py --telemetry both --levels 1,8 --no-engine
 """

@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from deployments import logprobs
+from deployments import logprobs, tools
 from deployments.observe import RequestObs
 from deployments.protocol import error_body, now
 
@@ -54,6 +55,28 @@ KINDS = {
 }
 
 
+def _parsers(body: Any, chat: bool, n: int) -> list[tools.CallParser] | None:
+    """Each choice's tool-call parser, when the body can call tools."""
+    return [tools.CallParser() for _ in range(n)] if chat and tools.calls_expected(body) else None
+
+
+def repeated_end(last: dict[str, Any]) -> dict[str, Any]:
+    """The end of a choice cut short after a repeated tool call (tools.CallParser)."""
+    why = "tool_calls: the model repeated an earlier call; the answer ended there"
+    end = {"finished": True, "finish_reason": "stop", "validated": None, "error_status": None}
+    return {**last, **end, "warnings": [why]}
+
+
+async def _tool_verdict(body: Any, result: dict[str, Any], calls: list[Any]) -> str | None:
+    """A choice's finish reason once its calls are known; their arguments' validation goes
+    into its `validated` and `warnings`, as a schema's does."""
+    validated, problems = await tools.validate(body, calls)
+    if validated is not None:
+        result["validated"] = validated
+        result["warnings"] = [*result["warnings"], *problems]
+    return tools.finish_reason(result["finish_reason"], calls)
+
+
 def error_response(err: ApiError) -> JSONResponse:
     headers = {}
     if err.retry_after is not None:
@@ -77,9 +100,13 @@ async def read_body(request: Any, model: type[BaseModel], limit: int) -> Any:
         return model.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
         msg = first["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {msg}" if param else msg, param) from exc
+        # a check across fields names its field first ("tool_choice: ...")
+        named = re.match(r"^([a-z_][\w.]*): ", msg)
+        located = ".".join(str(x) for x in first["loc"])
+        if not located:
+            raise ApiError(400, msg, named.group(1) if named else None) from exc
+        raise ApiError(400, f"{located}: {msg}", located) from exc
 
 
 def cancel(streams: list[Any]) -> None:
@@ -96,10 +123,19 @@ async def collect(
 ) -> dict[str, Any]:
     """The whole answer, once every choice has finished."""
 
-    async def drain(stream: Any, first: dict[str, Any]) -> dict[str, Any]:
+    parsers = _parsers(body, chat, len(streams))
+
+    async def drain(stream: Any, first: dict[str, Any], parser: Any) -> dict[str, Any]:
         text, last = first["delta_text"], first
         items = first.get("logprobs")
-        while not last["finished"]:
+        while True:
+            if parser is not None:
+                parser.feed(last["delta_text"])
+                if parser.repeated and not last["finished"]:
+                    cancel([stream])
+                    last = repeated_end(last)
+            if last["finished"]:
+                break
             last = await stream.__anext__()
             text += last["delta_text"]
             if last.get("logprobs") is not None:
@@ -107,8 +143,9 @@ async def collect(
         return {**last, "text": text, "logprobs": items}
 
     try:
-        pairs = zip(streams, firsts, strict=True)
-        results = await asyncio.gather(*(drain(s, f) for s, f in pairs))
+        each: list[Any] = list(parsers) if parsers else [None] * len(streams)
+        triples = zip(streams, firsts, each, strict=True)
+        results = await asyncio.gather(*(drain(s, f, p) for s, f, p in triples))
     except Exception as exc:
         cancel(streams)
         raise ApiError(503, "the model replica failed mid-request; try again") from exc
@@ -117,7 +154,12 @@ async def collect(
         obs.add_result(r)
         reason = r["finish_reason"]
         if chat:
-            message = {"role": "assistant", "content": r["text"]}
+            message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
+            if parsers is not None:
+                message["content"], calls = parsers[i].result()
+                reason = await _tool_verdict(body, r, calls)
+                if calls:
+                    message["tool_calls"] = [c.as_dict() for c in calls]
             lp = logprobs.chat(r["logprobs"])
             choices.append(
                 {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
@@ -167,24 +209,48 @@ async def sse(
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     offsets = [0] * len(streams)  # characters of each choice already sent (text_offset)
+    parsers = _parsers(body, chat, len(streams))
 
-    def chunk(index: int, delta: dict[str, Any]) -> str:
-        text, reason = delta["delta_text"], delta["finish_reason"]
+    def event(index: int, delta: dict[str, Any], choice_delta: dict[str, Any], last: bool) -> str:
         items = delta.get("logprobs")
+        reason = delta["finish_reason"] if last else None
         if chat:
-            choice = {"index": index, "delta": {"content": text}, "finish_reason": reason}
+            choice = {"index": index, "delta": choice_delta, "finish_reason": reason}
             if items is not None:
                 choice["logprobs"] = logprobs.chat(items)
         else:
-            choice = {"index": index, "text": text, "finish_reason": reason}
+            choice = {"index": index, "text": delta["delta_text"], "finish_reason": reason}
             if items is not None:
                 choice["logprobs"] = logprobs.completion(items, offsets[index])
-        offsets[index] += len(text)
         obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": body.model}
         obj["choices"] = [choice]
-        if delta["finished"]:  # like a whole response: the verdict and the warnings
+        if last and delta["finished"]:  # like a whole response: the verdict and the warnings
             obj["structserve"] = {"validated": delta["validated"], "warnings": delta["warnings"]}
         return "data: " + json.dumps(obj) + "\n\n"
+
+    async def chunks(index: int, delta: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """One event, or with tools one per content or call delta (logprobs ride the first);
+        and the delta, made the last when a repeated call ends the choice here."""
+        text = delta["delta_text"]
+        if parsers is None:
+            out = [event(index, delta, {"content": text}, True)]
+            offsets[index] += len(text)
+            return delta, out
+        parser = parsers[index]
+        parts = parser.feed(text)
+        if parser.repeated and not delta["finished"]:
+            delta = repeated_end(delta)
+        parts += parser.finish() if delta["finished"] else []
+        if delta["finished"]:
+            reason = await _tool_verdict(body, delta, parser.calls)
+            delta = {**delta, "finish_reason": reason}
+        if not parts and (delta["finished"] or delta.get("logprobs") is not None):
+            parts = [{}]
+        out = []
+        for k, part in enumerate(parts):
+            item = delta if k == 0 else {**delta, "logprobs": None}
+            out.append(event(index, item, part, k == len(parts) - 1))
+        return delta, out
 
     queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
 
@@ -210,19 +276,28 @@ async def sse(
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}}
                 obj = {"id": rid, "object": kind, "created": created, "model": body.model}
                 yield "data: " + json.dumps({**obj, "choices": [role]}) + "\n\n"
-        open_streams = len(streams)
+        open_streams, ended = len(streams), set()  # ended: choices cut short here
         while open_streams:
             index, item = await queue.get()
+            if index in ended:
+                continue
             if item is None:
                 open_streams -= 1
             elif isinstance(item, BaseException):
                 err = error_body("the model replica failed mid-stream", "server_error")
                 yield "data: " + json.dumps(err) + "\n\n"
             else:
-                if item["finished"]:
-                    usage["completion_tokens"] += item["completion_tokens"]
-                    obs.add_result(item)
-                yield chunk(index, item)
+                last, events = await chunks(index, item)
+                if last["finished"]:
+                    usage["completion_tokens"] += last["completion_tokens"]
+                    obs.add_result(last)
+                if last["finished"] and not item["finished"]:
+                    ended.add(index)
+                    open_streams -= 1
+                    tasks[index].cancel()
+                    cancel([streams[index]])
+                for e in events:
+                    yield e
         if body.stream_options is not None and body.stream_options.include_usage:
             total = usage["prompt_tokens"] + usage["completion_tokens"]
             obj = {"id": rid, "object": kind, "created": created, "model": body.model}

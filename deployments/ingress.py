@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import openapi
+from deployments import openapi, tools
 from deployments.answers import ApiError, cancel, collect, error_response, read_body, sse
 from deployments.config import ServiceConfig
 from deployments.grammar_api import GrammarRegistration, grammar_view, raise_for
@@ -135,19 +135,28 @@ class Ingress:
         except BadRequest as exc:
             raise ApiError(400, str(exc), exc.param) from exc
 
-    def _stream(self, obs: RequestObs, body: Any, params: Any, index: int, rid: str) -> Any:
+    @staticmethod
+    def _inputs(body: Any) -> tuple[Any, Any, Any]:
+        """(prompt, messages, template options) for the replica; 400 on earlier calls'
+        arguments that are not JSON."""
+        if not isinstance(body, ChatCompletionRequest):
+            p = body.prompt
+            return (p[0] if isinstance(p, list) and isinstance(p[0], str) else p), None, None
+        try:
+            messages = tools.messages_of(body)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), str(exc).split(":")[0]) from exc
+        template = body.template_options()
+        if (listed := tools.prompt_tools(body)) is not None:
+            template["tools"] = listed
+        return None, messages, template
+
+    def _stream(self, obs: RequestObs, inputs: Any, params: Any, index: int, rid: str) -> Any:
         from dataclasses import replace
 
         if params.seed is not None and index:
             params = replace(params, seed=params.seed + index)
-        messages = template = None
-        prompt = None
-        if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            template = body.template_options()
-        else:
-            p = body.prompt
-            prompt = p[0] if isinstance(p, list) and isinstance(p[0], str) else p
+        prompt, messages, template = inputs
         return self.llm.options(stream=True).generate.remote(
             prompt, messages, params, obs.tenant, engine_id(rid, index), obs.carrier, template
         )
@@ -192,10 +201,11 @@ class Ingress:
         params = self._params(tenant, body)
         rid = new_id("chatcmpl" if chat else "cmpl", client_request_id(request.headers))
         obs.describe(body, params, rid, self.config.served_model_name)
+        inputs = self._inputs(body)
         self._admit(tenant, body.n)
         streams: list[Any] = []
         try:
-            streams = [self._stream(obs, body, params, i, rid) for i in range(body.n)]
+            streams = [self._stream(obs, inputs, params, i, rid) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
         except BaseException:  # incl. a client gone before the first token
             cancel(streams)
@@ -293,11 +303,7 @@ class Ingress:
         messages = template = None
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            template = {
-                "add_generation_prompt": body.add_generation_prompt,
-                "continue_final_message": body.continue_final_message,
-                **(body.chat_template_kwargs or {}),
-            }
+            template = body.template_options()
         out = await self.llm.tokenize.remote(body.prompt, messages, template)
         raise_for(out)
         return JSONResponse(out)

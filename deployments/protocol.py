@@ -29,13 +29,20 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    """`structural_tag`: xgrammar's `format` object, or vLLM's older `structures` + `triggers`."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _schema_present(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format.json_schema is required when type is json_schema")
+        if self.type == "structural_tag" and (self.format is None) == (self.structures is None):
+            raise ValueError("response_format: a structural_tag needs format, or structures")
         return self
 
 
@@ -51,6 +58,9 @@ class StructuredOutputs(_Body):
     whitespace_pattern: str | None = None  # refused: xgrammar takes no whitespace regex
     disable_any_whitespace: bool = False  # compact JSON
     disable_additional_properties: bool = False
+    # ours: outputs that finish (services/engine/grammar/finish.py); set to turn them off
+    bound_numbers: bool = True
+    max_repeat_run: int | None = Field(default=128, ge=8)
 
 
 class KVPolicyBody(_Body):
@@ -138,10 +148,60 @@ class _Common(_Body):
         raise NotImplementedError
 
 
+# OpenAI's limit on function names; plain names also keep the call's text free of escapes
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCallIn(_Body):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+def template_options(body: Any) -> dict[str, Any]:
+    """The chat template's keywords from a body (chat or /tokenize)."""
+    return {
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+        **(body.chat_template_kwargs or {}),
+    }
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this answers
 
     @field_validator("content")
     @classmethod
@@ -165,23 +225,30 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Common):
+    """Tools: `tool_choice` defaults to `"auto"` with tools, else `"none"` (deployments/tools.py
+    says what each choice constrains)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # only meaningful with tools
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _no_tools(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools: not supported yet; use structured_outputs.structural_tag")
-        if self.tool_choice not in (None, "none"):
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice: there are no tools to choose from")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions share a name")
+        named = self.tool_choice
+        if isinstance(named, NamedToolChoice) and named.function.name not in names:
+            raise ValueError(f"tool_choice: no function named {named.function.name!r} in tools")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -195,11 +262,7 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_options(self) -> dict[str, Any]:
-        return {
-            "add_generation_prompt": self.add_generation_prompt,
-            "continue_final_message": self.continue_final_message,
-            **(self.chat_template_kwargs or {}),
-        }
+        return template_options(self)
 
 
 class CompletionRequest(_Common):
@@ -231,6 +294,9 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        return template_options(self)
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

@@ -3,7 +3,8 @@
 One way of constraining the output per request, whichever name the client uses for it:
 `response_format` (OpenAI), `structured_outputs` (vLLM), `grammar_id` (ours), and the aliases
 older vLLM clients and SGLang still send (`guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar`; `json_schema`, `regex`, `ebnf`). Two at once is a 400 naming both.
+`guided_grammar`; `json_schema`, `regex`, `ebnf`), and `tools` unless `tool_choice` is
+`"none"` (deployments/tools.py). Two at once is a 400 naming both.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from deployments import tools
 from deployments.protocol import BadRequest
 from services.engine.params import KVPolicy, SamplingParams, StructuredOutput
 
@@ -26,10 +28,31 @@ _ALIASES = {
 }
 
 
+def structural_tag(value: dict[str, Any]) -> dict[str, Any]:
+    """xgrammar's structural tag, from its own shape (`format`) or vLLM's older one
+    (`structures` of begin/schema/end, and `triggers`)."""
+    if "format" in value or "structures" not in value:
+        return {"type": "structural_tag", "format": value.get("format", value)}
+    tags = [
+        {
+            "type": "tag",
+            "begin": s.get("begin", ""),
+            "content": {"type": "json_schema", "json_schema": s.get("schema", {})},
+            "end": s.get("end", ""),
+        }
+        for s in value["structures"]
+    ]
+    triggers = value.get("triggers") or []
+    fmt = {"type": "triggered_tags", "triggers": triggers, "tags": tags}
+    return {"type": "structural_tag", "format": fmt}
+
+
 def _response_format(body: Any) -> dict[str, Any] | None:
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
         return {"json_object": True}
+    if rf is not None and rf.type == "structural_tag":
+        return {"structural_tag": rf.model_dump(include={"format", "structures", "triggers"})}
     if rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
         return {"json_schema": rf.json_schema.schema_, "strict": rf.json_schema.strict is not False}
     return None
@@ -63,11 +86,14 @@ def _structured_outputs(body: Any) -> dict[str, Any] | None:
         given["compact"] = True
     if so.disable_additional_properties:
         given["strict"] = True  # xgrammar's strict mode: no properties the schema does not list
+    given["bound_numbers"], given["max_repeat_run"] = so.bound_numbers, so.max_repeat_run
     return given
 
 
 def _chosen(body: Any) -> list[tuple[str, dict[str, Any]]]:
     chosen = []
+    if getattr(body, "tools", None) and (tag := tools.structural_tag(body)) is not None:
+        chosen.append(("tools", {"structural_tag": tag}))
     if (rf := _response_format(body)) is not None:
         chosen.append(("response_format", rf))
     if (so := _structured_outputs(body)) is not None:
@@ -94,11 +120,16 @@ def structured_from(body: Any) -> StructuredOutput | None:
         names = ", ".join(name for name, _ in chosen)
         raise BadRequest(f"{names}: give one way of constraining the output", chosen[1][0])
     field, kwargs = chosen[0]
-    if isinstance(kwargs.get("structural_tag"), str):  # (a schema string: the engine parses it)
+    tag = kwargs.get("structural_tag")
+    if isinstance(tag, str):  # (vLLM sends it as a JSON string)
         try:
-            kwargs["structural_tag"] = json.loads(kwargs["structural_tag"])
+            tag = json.loads(tag)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise BadRequest(f"structural_tag: not valid JSON ({exc})", field) from exc
+    if tag is not None:
+        if not isinstance(tag, dict):
+            raise BadRequest("structural_tag: must be a JSON object", field)
+        kwargs["structural_tag"] = structural_tag({k: v for k, v in tag.items() if v is not None})
     try:
         return StructuredOutput(**kwargs)
     except ValueError as exc:

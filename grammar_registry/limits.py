@@ -204,6 +204,30 @@ def _check_tags(tag: dict[str, Any], limits: GrammarLimits) -> None:
         count += _count_tag_nodes(fmt)
     if count > limits.max_tags:
         raise LimitExceeded("max_tags", count, limits.max_tags)
+    _check_tag_contents(tag, limits)
+
+
+def _check_tag_contents(tag: dict[str, Any], limits: GrammarLimits) -> None:
+    """The schemas and patterns inside a tag (tool arguments...) meet the limits their own
+    kinds do (counted over the whole tag): a tag is no way around them."""
+    schemas = _SchemaWalk(limits)
+    stack: list[tuple[Any, str]] = [(tag, "#")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((x, f"{path}/{i}") for i, x in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if kind == "json_schema" and isinstance(node.get("json_schema"), dict):
+            schemas.walk(node["json_schema"], f"{path}/json_schema")
+        elif "schema" in node and isinstance(node["schema"], dict):  # vLLM's older structures
+            schemas.walk(node["schema"], f"{path}/schema")
+        elif kind == "regex" and isinstance(node.get("pattern"), str):
+            _check_regex(node["pattern"], limits, f"{path}/pattern")
+        else:
+            stack.extend((v, f"{path}/{k}") for k, v in node.items())
 
 
 def _count_tag_nodes(fmt: dict[str, Any]) -> int:

@@ -44,7 +44,7 @@ DEEP = _nested_arrays(80)  # over the static limit on nesting (64)
 @dataclass(frozen=True)
 class Case:
     name: str
-    group: str  # numerics | schema | regex | stop | prompt
+    group: str  # numerics | schema | regex | stop | prompt | tools
     expect: str | None
     params: dict[str, Any] = field(default_factory=dict)
     structured: dict[str, Any] | None = None
@@ -192,6 +192,44 @@ CASES = [
     ),
     Case("huge_token_prompt", "prompt", "max_tokens: prompt", prompt=[1] * 2_000_000, http=None),
     Case("token_outside_vocabulary", "prompt", "vocabulary", prompt=[10**9], http=None),
+]
+
+
+def _function(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _tools_case(name: str, expect: str | None, tools: list[dict[str, Any]]) -> Case:
+    """Hostile tools: the engine gets the structural tag the ingress builds from them."""
+    from deployments import tools as tool_calls
+    from deployments.protocol import ChatCompletionRequest
+
+    http = {"tools": tools, "tool_choice": "required"}
+    ask = [{"role": "user", "content": QUESTION}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": ask, **http})
+    tag = tool_calls.structural_tag(body)
+    return Case(name, "tools", expect, structured={"structural_tag": tag}, http=http)
+
+
+def _object(**properties: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+CASES += [
+    # the tag's schemas meet the limits a schema of their own does
+    _tools_case(
+        "tool_repeat_bomb",
+        "max_repeat",
+        [_function("f", _object(s={"type": "string", "pattern": "(.{0,50}){0,50}"}))],
+    ),
+    _tools_case("tool_deep_parameters", "max_depth", [_function("f", _object(x=DEEP))]),
+    _tools_case(  # (no parameters: the prompt that lists them still fits the context)
+        "too_many_tools",
+        "max_tags",
+        [{"type": "function", "function": {"name": f"f{i}"}} for i in range(70)],
+    ),
+    # validated off the loop in linear time (the ingress validates tool arguments itself)
+    _tools_case("tool_catastrophic_pattern", None, [_function("f", _object(s=CATASTROPHIC))]),
 ]
 BY_NAME = {c.name: c for c in CASES}
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from grammar_registry.specs import GrammarOptions, GrammarSpec
 from services.engine.grammar.backend import GrammarError
-from services.engine.grammar.xgrammar_backend import grammar_syntax, schema_dict
+from services.engine.grammar.xgrammar_backend import grammar_syntax, json_schema_of
 from services.engine.params import StructuredOutput
 
 
@@ -17,9 +17,7 @@ def to_spec(so: StructuredOutput) -> GrammarSpec:
     )
     try:
         if so.json_schema is not None:
-            return GrammarSpec(
-                kind="json_schema", source=schema_dict(so.json_schema), options=options
-            )
+            return GrammarSpec(kind="json_schema", source=json_schema_of(so), options=options)
         if so.json_object:
             return GrammarSpec(kind="json_object", options=options)
         if so.regex is not None:

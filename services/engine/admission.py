@@ -6,10 +6,12 @@ the vocabulary; every refusal names the field and the limit.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from services.engine import tool_format
 from services.engine.params import KVPolicy
 from services.engine.request import Request
 
@@ -56,10 +58,13 @@ def tokenize(tokenizer: Any, prompt: Prompt, max_chars: int) -> list[int]:
 def chat_ids(
     tokenizer: Any, messages: list[dict[str, Any]], max_chars: int, **options: Any
 ) -> list[int]:
-    """`options`: the template's (`add_generation_prompt`, `continue_final_message`, and any
-    keyword the template reads)."""
-    check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages", max_chars)
+    """`options`: the template's (`add_generation_prompt`, `continue_final_message`, `tools`,
+    and any keyword the template reads). A template that takes no tools gets them, and past
+    calls and results, as text (`tool_format`)."""
+    check_chars(sum(len(json.dumps(m)) for m in messages), "messages", max_chars)
     options.setdefault("add_generation_prompt", True)
+    if not tool_format.template_takes_tools(tokenizer):
+        messages = tool_format.fallback_messages(messages, options.pop("tools", None))
     try:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, **options)
     except Exception as exc:  # the template's own checks (roles, their order) raise

@@ -37,7 +37,10 @@ class StructuredOutput:
       in `warnings`; `strict` refuses it;
     - `grammar_syntax`: for `grammar`, `ebnf` (GBNF `::=` rules), `lark`, or `auto` (detected);
     - `max_whitespace_run`: a request whose last tokens are this many whitespace-only tokens ends
-      with an error instead of running to `max_tokens`.
+      with an error instead of running to `max_tokens`;
+    - `bound_numbers`: integers without bounds get the 64-bit range, numbers a cap on digits;
+    - `max_repeat_run`: a request whose last this many tokens repeat one short unit inside a
+      string ends early with a warning (None: never). Both: services/engine/grammar/finish.py.
     """
 
     json_schema: dict[str, Any] | str | type | None = None
@@ -53,6 +56,8 @@ class StructuredOutput:
     fidelity: Literal["warn", "strict"] = "warn"
     grammar_syntax: Literal["auto", "ebnf", "lark"] = "auto"
     max_whitespace_run: int = 64
+    bound_numbers: bool = True
+    max_repeat_run: int | None = 128
 
     def __post_init__(self) -> None:
         chosen = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -71,6 +76,8 @@ class StructuredOutput:
             raise ValueError("structured.grammar_syntax: must be 'auto', 'ebnf' or 'lark'")
         if self.max_whitespace_run < 1:
             raise ValueError("structured.max_whitespace_run: must be >= 1")
+        if self.max_repeat_run is not None and self.max_repeat_run < 8:
+            raise ValueError("structured.max_repeat_run: must be >= 8 or None")
 
     @property
     def kind(self) -> str:

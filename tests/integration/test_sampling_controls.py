@@ -102,3 +102,21 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm):
     ):
         out = llm.generate(PROMPT, sp)[0]
         assert out.finish_reason == "error" and "outside the vocabulary" in out.warnings[-1]
+
+
+def test_a_loop_inside_a_string_ends_early_with_a_warning(llm):
+    """A bias makes the model write one word forever inside a JSON string: the repeat guard
+    ends it at `max_repeat_run` tokens; switched off, it burns the whole budget."""
+    (ha,) = llm.tokenizer.encode(" ha", add_special_tokens=False)
+    prompt = llm.engine.apply_chat_template([{"role": "user", "content": "Laugh."}])
+
+    def run(max_repeat_run):
+        so = StructuredOutput(json_schema={"type": "string"}, max_repeat_run=max_repeat_run)
+        sp = SamplingParams(max_tokens=160, temperature=0, logit_bias={ha: 100.0}, structured=so)
+        return llm.generate([prompt], sp)[0]
+
+    guarded, plain = run(48), run(None)
+    assert guarded.finish_reason == "error" and len(guarded.token_ids) <= 50
+    assert any("max_repeat_run" in w and "ha" in w for w in guarded.warnings)
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 160
+    assert plain.text.startswith(guarded.text)

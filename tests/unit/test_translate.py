@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -123,3 +125,47 @@ def test_chat_template_options_travel_with_the_body():
         "continue_final_message": True,
         "enable_thinking": False,
     }
+
+
+TAG_FORMAT = {"type": "tag", "begin": "<a>", "content": {"type": "const_string", "value": "x"}}
+TAG_FORMAT |= {"end": "</a>"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "structural_tag", "format": TAG_FORMAT}},
+        {
+            "structured_outputs": {
+                "structural_tag": {"type": "structural_tag", "format": TAG_FORMAT}
+            }
+        },
+        {"structured_outputs": {"structural_tag": '{"format": ' + json.dumps(TAG_FORMAT) + "}"}},
+    ],
+)
+def test_structural_tags_in_each_shape_reach_the_engine_as_xgrammars(fields):
+    assert params(**fields).structured.structural_tag == {
+        "type": "structural_tag",
+        "format": TAG_FORMAT,
+    }
+
+
+def test_vllms_older_structural_tag_becomes_triggered_tags():
+    older = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+    }
+    tag = params(response_format={**older, "triggers": ["<f"]}).structured.structural_tag
+    assert tag["format"]["type"] == "triggered_tags" and tag["format"]["triggers"] == ["<f"]
+    (only,) = tag["format"]["tags"]
+    assert only["begin"] == "<f>" and only["content"]["json_schema"] == SCHEMA
+    with pytest.raises(ValidationError, match="structural_tag needs"):
+        params(response_format={"type": "structural_tag"})
+
+
+def test_the_outputs_that_finish_options_can_be_turned_off():
+    on = params(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+    assert on.structured.bound_numbers and on.structured.max_repeat_run == 128
+    so = {"json": SCHEMA, "bound_numbers": False, "max_repeat_run": None}
+    off = params(structured_outputs=so).structured
+    assert not off.bound_numbers and off.max_repeat_run is None

@@ -149,3 +149,15 @@ def loosened_keywords(schema: Any, path: str = "#") -> list[str]:
         if key in schema and key != "not":
             found += loosened_keywords(schema[key], f"{path}/{key}")
     return found
+
+
+def loosened_in_tag(node: Any, path: str = "#") -> list[str]:
+    """The findings of every JSON schema inside a structural tag (tool arguments, ...), with
+    the path of each schema in the tag."""
+    if isinstance(node, list):
+        return [w for i, child in enumerate(node) for w in loosened_in_tag(child, f"{path}/{i}")]
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+        return loosened_keywords(node["json_schema"], f"{path}/json_schema")
+    return [w for k, v in node.items() for w in loosened_in_tag(v, f"{path}/{k}")]

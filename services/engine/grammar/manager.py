@@ -21,6 +21,7 @@ import torch
 
 from services.engine.boundary import RequestError
 from services.engine.grammar.backend import GrammarBackend, GrammarError
+from services.engine.grammar.finish import repeated_unit
 from services.engine.grammar.masks import MaskFiller, PendingMasks
 from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider
 from services.engine.grammar.validation import OutputValidator
@@ -226,6 +227,16 @@ class GrammarManager:
             raise RequestError(
                 f"structured.max_whitespace_run: {req.whitespace_run} whitespace-only tokens"
             )
+        run = spec.max_repeat_run
+        if run is not None and len(req.token_ids) - req.num_prompt_tokens + 1 >= run:
+            unit = repeated_unit([*req.token_ids[1 - run :], token], self._tokenizer.decode)
+            if unit is not None:
+                raise RequestError(
+                    f"structured.max_repeat_run: the output repeated {unit[:40]!r} for {run} "
+                    "tokens; ended early (raise max_repeat_run, or a repetition_penalty, to "
+                    "let it run)",
+                    status=422,
+                )
         return None
 
     def jump_forward(self, req: Request, token: int, room: int) -> list[int]:

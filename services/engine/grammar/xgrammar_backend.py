@@ -10,11 +10,19 @@ import torch
 import xgrammar as xgr
 
 from services.engine.grammar.backend import CompiledGrammar, GrammarError
-from services.engine.grammar.fidelity import loosened_keywords
+from services.engine.grammar.fidelity import loosened_in_tag, loosened_keywords
+from services.engine.grammar.finish import bounded
 from services.engine.params import StructuredOutput
 
 # The compiler's own cache is unbounded by default (a memory DoS); ours sits in front of it.
 COMPILER_CACHE_BYTES = 256 << 20
+
+
+def json_schema_of(spec: StructuredOutput) -> dict[str, Any]:
+    """The schema the grammar is compiled from (unbounded numbers bounded unless asked not to)."""
+    assert spec.json_schema is not None
+    schema = schema_dict(spec.json_schema)
+    return bounded(schema) if spec.bound_numbers else schema
 
 
 def schema_dict(schema: dict[str, Any] | str | type) -> dict[str, Any]:
@@ -125,7 +133,7 @@ class XGrammarBackend:
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
         c = self._compiler
         if spec.json_schema is not None:
-            schema = schema_dict(spec.json_schema)
+            schema = json_schema_of(spec)
             warnings = loosened_keywords(schema)
             if warnings and spec.fidelity == "strict":
                 raise fidelity_error(warnings)
@@ -147,7 +155,11 @@ class XGrammarBackend:
                 return CompiledGrammar(c.compile_grammar(spec.grammar))
             return CompiledGrammar(c.compile_lark(spec.grammar))
         if spec.structural_tag is not None:
-            return CompiledGrammar(c.compile_structural_tag(json.dumps(spec.structural_tag)))
+            warnings = loosened_in_tag(spec.structural_tag)
+            if warnings and spec.fidelity == "strict":
+                raise fidelity_error(warnings)
+            handle = c.compile_structural_tag(json.dumps(spec.structural_tag))
+            return CompiledGrammar(handle, warnings)
         raise GrammarError(f"structured.{spec.kind}: needs the grammar registry to resolve")
 
     def new_state(self, compiled: CompiledGrammar) -> XGrammarState:

@@ -1,0 +1,198 @@
+"""Tool calls: the constraint each `tool_choice` builds (checked with real xgrammar on the real
+tokenizer), the parser over whole and streamed text, and the fallback prompt."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import xgrammar as xgr
+
+from deployments import tools
+from deployments.protocol import ChatCompletionRequest
+from deployments.translate import sampling_from
+from services.engine import tool_format
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
+WEATHER = tool_format.render_call("get_weather", {"city": "Paris"})
+NOW = tool_format.render_call("now", {})
+
+
+def body(**kw) -> ChatCompletionRequest:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    return ChatCompletionRequest.model_validate({**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
+    return xgr.GrammarCompiler(info), tokenizer.eos_token_id
+
+
+def accepts(compiler, tag, text: str) -> bool:
+    """Whether the grammar takes exactly `text` and then the end of the answer."""
+    c, eos = compiler
+    m = xgr.GrammarMatcher(c.compile_structural_tag(json.dumps(tag)))
+    return (m.accept_string(text) if text else True) and m.accept_token(eos)
+
+
+CASES = [  # tool_choice, parallel, text, accepted
+    ("auto", True, "Just text.", True),
+    ("auto", True, "Let me look. " + WEATHER, True),
+    ("auto", True, WEATHER + "\n" + NOW, True),
+    ("auto", False, WEATHER + "\n" + NOW, False),
+    ("auto", True, WEATHER.replace('"Paris"', "7"), False),  # arguments follow the schema
+    ("required", True, "Just text.", False),
+    ("required", True, WEATHER + "\n" + NOW, True),
+    ("required", False, WEATHER + "\n" + NOW, False),
+    ("required", False, "", False),
+    ({"type": "function", "function": {"name": "now"}}, True, NOW, True),
+    ({"type": "function", "function": {"name": "now"}}, True, WEATHER, False),
+    ({"type": "function", "function": {"name": "now"}}, True, NOW + "\n" + NOW, False),
+]
+
+
+@pytest.mark.parametrize(("choice", "parallel", "text", "ok"), CASES)
+def test_each_tool_choice_constrains_as_documented(compiler, choice, parallel, text, ok):
+    tag = tools.structural_tag(body(tool_choice=choice, parallel_tool_calls=parallel))
+    assert accepts(compiler, tag, text) is ok
+
+
+def test_none_constrains_nothing_and_hides_the_tools():
+    b = body(tool_choice="none")
+    assert tools.structural_tag(b) is None and tools.prompt_tools(b) is None
+    assert sampling_from(b, 64).structured is None
+
+
+def test_tools_and_another_constraint_is_a_400_naming_both():
+    from deployments.protocol import BadRequest
+
+    b = body(tool_choice="required", response_format={"type": "json_object"})
+    with pytest.raises(BadRequest, match="tools, response_format"):
+        sampling_from(b, 64)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "no function"),
+        ({"tools": TOOLS + TOOLS[:1]}, "share a name"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "pattern"),
+        ({"tools": None, "tool_choice": "required"}, "no tools"),
+    ],
+)
+def test_bad_tool_requests_are_refused(kw, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        body(**kw)
+
+
+def test_whole_text_parses_into_content_and_calls():
+    content, calls = tools.parse("Sure. " + WEATHER + "\n" + NOW)
+    assert content == "Sure."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("now", {}),
+    ]
+    assert len({c.id for c in calls}) == 2
+    assert tools.finish_reason("stop", calls) == "tool_calls"
+    assert tools.finish_reason("length", calls) == "length"
+    assert tools.parse("no calls here <tool_call> but text")[1] == []
+
+
+def test_streamed_deltas_reassemble_to_the_whole_in_any_chunking():
+    text = "Ok. " + WEATHER.replace("Paris", 'Pa}\\n"ris') + "\n" + NOW
+    _, whole = tools.parse(text)
+    rng = random.Random(0)
+    for _ in range(100):
+        parser, deltas, i = tools.CallParser(), [], 0
+        while i < len(text):
+            k = rng.randint(1, 9)
+            deltas += parser.feed(text[i : i + k])
+            i += k
+        deltas += parser.finish()
+        content = "".join(d.get("content", "") for d in deltas)
+        args: dict[int, str] = {}
+        names = {}
+        for d in deltas:
+            for entry in d.get("tool_calls", ()):
+                args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+                if "id" in entry:
+                    names[entry["index"]] = entry["function"]["name"]
+        assert content.strip() == "Ok."
+        assert [(names[k], args[k]) for k in sorted(args)] == [(c.name, c.arguments) for c in whole]
+
+
+def test_a_repeated_call_ends_the_answer_and_is_dropped():
+    parser = tools.CallParser()
+    first = parser.feed(WEATHER + "\n")
+    again = parser.feed(WEATHER + "\n" + WEATHER)
+    assert first and not again  # the repeat was held back, never sent
+    assert parser.repeated and len(parser.calls) == 1
+    other = tools.CallParser()
+    other.feed(WEATHER + "\n" + tool_format.render_call("get_weather", {"city": "Rome"}))
+    assert not other.repeated and len(other.calls) == 2
+
+
+def test_a_template_without_tools_gets_them_in_a_system_prompt(tokenizer):
+    assert not tool_format.template_takes_tools(tokenizer)  # SmolLM2's
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    out = tool_format.fallback_messages(history, TOOLS)
+    assert out[0]["role"] == "system" and out[0]["content"].endswith("Be brief.")
+    assert '"name": "get_weather"' in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": WEATHER}
+    assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+
+
+def test_strict_fidelity_reports_loosened_keywords_inside_tool_arguments():
+    from services.engine.grammar.fidelity import loosened_in_tag
+
+    tools_ = [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]
+    tag = tools.structural_tag(body(tools=tools_, tool_choice="required"))
+    (finding,) = loosened_in_tag(tag)
+    assert finding.endswith("/json_schema/not: not enforced")
+
+
+def test_a_template_that_takes_tools_gets_them_as_they_are(tokenizer):
+    """A template that reads `tools` renders them itself: no system prompt of ours."""
+    import copy
+
+    from services.engine.admission import chat_ids
+
+    native = copy.deepcopy(tokenizer)
+    native.chat_template = (
+        "{% for t in tools %}<tool>{{ t.function.name }}</tool>{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    ids = chat_ids(native, [{"role": "user", "content": "hi"}], 10_000, tools=TOOLS)
+    text = native.decode(ids)
+    assert text.startswith("<tool>get_weather</tool><tool>now</tool>user: hi")
+    assert "<tools>" not in text
+    fallback = tokenizer.decode(
+        chat_ids(tokenizer, [{"role": "user", "content": "hi"}], 10_000, tools=TOOLS)
+    )
+    assert "<tools>" in fallback and '"name": "get_weather"' in fallback
