@@ -58,6 +58,9 @@ class TenantConfig(_Strict):
     # sha256 hex digests of the API keys (never the keys themselves)
     api_key_sha256: list[str] = Field(default_factory=list)
     limits: TenantLimits = TenantLimits()
+    # the tenant's share of each LLM replica (batch slots, prompt tokens per step) against the
+    # others' weights, while they compete; an idle tenant's share goes to the rest
+    weight: float = Field(default=1.0, gt=0, le=1000)
 
 
 class TelemetryConfig(_Strict):

@@ -73,7 +73,9 @@ class LLMReplica:
     ) -> None:
         cfg = ServiceConfig.model_validate(config)
         self.tel = setup(cfg, "LLMReplica", hub)
-        self.engine = LLMEngine(EngineConfig(model=cfg.model, **cfg.llm.engine))
+        weights = {t.name: t.weight for t in cfg.tenants}
+        engine = {"tenant_weights": weights, **cfg.llm.engine}
+        self.engine = LLMEngine(EngineConfig(model=cfg.model, **engine))
         self.stats = EngineStats(self.engine, self.tel)
         if grammar_handle is not None:
             from deployments.grammar_service import RemoteVerdicts

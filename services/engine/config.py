@@ -39,6 +39,10 @@ class EngineConfig:
     mask_strikes: float = 3.0
     validation_timeout_s: float = 1.0  # JSON output validation; later: validated=False
     max_prompt_chars: int | None = None  # None: 32 characters per token of max_model_len
+    # Weighted fair shares between tenants (services/engine/fairness.py); False: arrival order.
+    # `tenant_weights`: tenant -> weight, 1 for any tenant not named.
+    fair_scheduling: bool = True
+    tenant_weights: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -58,6 +62,9 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars: must be >= 1")
+        for tenant, weight in (self.tenant_weights or {}).items():
+            if not weight > 0:
+                raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

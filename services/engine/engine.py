@@ -32,11 +32,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampled, Sampler
-from services.engine.scheduler import (
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.kv_tier import HostPageStore
 from services.models import LoadedModel, eos_token_ids
 
@@ -53,15 +49,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.runner = ModelRunner(config, loaded)
         self.tokenizer = self.runner.loaded.tokenizer
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                page_size=config.page_size,
-            ),
-            self.runner.kv.allocator,
-        )
+        self.scheduler = Scheduler.for_engine(config, self.runner.kv.allocator)
         self.sampler = Sampler(self.runner.device, config.seed)
         self.pool_tokens = pool_tokens = self.runner.kv.num_pages * config.page_size
         model_len = int(getattr(self.runner.model.config, "max_position_embeddings", pool_tokens))

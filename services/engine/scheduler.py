@@ -4,15 +4,23 @@ Each step first serves running requests (a decode token each, or the next chunk 
 admits waiting ones while the token budget, the batch size and free pages allow. When a running
 request needs a page and none is free, the most recently admitted request is preempted: its pages
 are freed and it goes back to the head of the queue, to be recomputed later (vLLM's recompute mode).
+
+With `fair=True` (the default) tenants share the engine by weight (`services/engine/fairness.py`):
+the next request admitted is the backlogged tenant's with the least virtual time, a tenant below
+its share of batch slots takes one from the tenant furthest over its own, prompt tokens per step
+are split between the tenants with prompts to compute, and preemption for pages picks from the
+tenant furthest over its share. `fair=False` is the plain twin: arrival order, newest preempted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcache.pages import PageAllocator, pages_needed
+from services.engine.config import EngineConfig
+from services.engine.fairness import FairShares
 from services.engine.request import Request, RequestStatus
 
 
@@ -22,6 +30,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     page_size: int = 16
+    fair: bool = True  # weighted fair shares between tenants (False: arrival order)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.page_size < 1:
@@ -49,9 +58,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+    def __init__(
+        self, config: SchedulerConfig, allocator: PageAllocator, shares: FairShares | None = None
+    ) -> None:
         self.config = config
         self.allocator = allocator
+        self.shares = shares if shares is not None else FairShares()
+        self._caps: dict[str, int] | None = None  # this step's prompt tokens per tenant
         # called when a request's pages go back (finish, preemption): the host tier frees its own
         self.on_release: Callable[[Request], None] | None = None
         # asked for pages before anyone is preempted (the host tier's hot sets are a cache)
@@ -60,7 +73,21 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
+    @classmethod
+    def for_engine(cls, config: EngineConfig, allocator: PageAllocator) -> Scheduler:
+        sched = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            page_size=config.page_size,
+            fair=config.fair_scheduling,
+        )
+        return cls(sched, allocator, FairShares(dict(config.tenant_weights or {})))
+
     def add(self, request: Request) -> None:
+        busy = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
+        if request.tenant not in busy:
+            self.shares.wake(request.tenant, busy)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -68,18 +95,98 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        fair = self.config.fair
+        if fair:
+            self._rebalance_slots(out)
+            self._caps = self._prefill_caps()
+        short = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if short is not None:  # no pages were short: there may be room for more
+            self._admit_waiting(out, short)
+        for c in out.chunks:
+            self.shares.charge(c.request.tenant, c.num_tokens)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    # -- fair shares ---------------------------------------------------------------------
+
+    def _ready_waiting(self) -> Counter[str]:
+        return Counter(r.tenant for r in self.waiting if r.ready)
+
+    def _slot_shares(self) -> dict[str, int]:
+        held, waiting = Counter(r.tenant for r in self.running), self._ready_waiting()
+        demand = {t: held[t] + waiting[t] for t in held | waiting}
+        return self.shares.split(self.config.max_num_seqs, demand)
+
+    def _rebalance_slots(self, out: SchedulerOutput) -> None:
+        """A full batch gives the slots of tenants over their share to those waiting under it."""
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        shares, waiting = self._slot_shares(), self._ready_waiting()
+        held = Counter(r.tenant for r in self.running)
+        for tenant in sorted(waiting, key=self.shares.vtime):
+            for _ in range(min(waiting[tenant], shares[tenant] - held[tenant])):
+                over = self.shares.most_over(held, shares)
+                if over is None:
+                    return
+                victim = next(r for r in reversed(self.running) if r.tenant == over)
+                self._preempt(victim, out)
+                held[over] -= 1
+                held[tenant] += 1  # the slot is the waiting tenant's now (admitted below)
+
+    def _prefill_caps(self) -> dict[str, int] | None:
+        """Prompt tokens each tenant may compute this step (None: nobody else wants any)."""
+        if not self.config.enable_chunked_prefill:
+            return None
+        demand: Counter[str] = Counter()
+        decodes = 0
+        for r in self.running:
+            if r.num_uncomputed_tokens > 1:
+                demand[r.tenant] += r.num_uncomputed_tokens
+            else:
+                decodes += 1
+        for r in self.waiting:
+            if r.ready:
+                demand[r.tenant] += r.num_uncomputed_tokens
+        if len(demand) < 2:
+            return None
+        budget = max(0, self.config.max_num_batched_tokens - decodes)
+        return self.shares.split(budget, dict(demand))
+
+    def _capped(self, req: Request, n: int) -> int:
+        """`n` within the tenant's prompt tokens left this step (decode tokens: never capped)."""
+        if self._caps is None or req.num_uncomputed_tokens <= 1:
+            return n
+        n = min(n, self._caps.get(req.tenant, 0))
+        self._caps[req.tenant] = self._caps.get(req.tenant, 0) - n
+        return n
+
+    def _next_waiting(self, skip: set[int]) -> Request | None:
+        """Fair: the first ready request of the tenant with the least virtual time, among
+        those under their slot share if any is; else the first ready one."""
+        ready = [r for r in self.waiting if r.ready and id(r) not in skip]
+        if not ready:
+            return None
+        if not self.config.fair:
+            return ready[0]
+        tenants = list(dict.fromkeys(r.tenant for r in ready))
+        shares = self._slot_shares()
+        held = Counter(r.tenant for r in self.running)
+        under = [t for t in tenants if held[t] < shares.get(t, 0)] or tenants
+        tenant = self.shares.next_tenant(under)
+        return next(r for r in ready if r.tenant == tenant)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int | None:
+        """The budget left, or None when pages ran short (requests were preempted for them)."""
         scheduled: set[int] = set()
+        short = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_uncomputed_tokens, budget, self._chunk_limit(req))
+            n = self._capped(req, min(req.num_uncomputed_tokens, budget, self._chunk_limit(req)))
+            if n == 0:  # its tenant's prompt tokens for this step are spent
+                i += 1
+                continue
             while not self._reserve_pages(req, req.num_cached_tokens + n):
+                short = True
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim, out)
                 if victim is req:
@@ -91,28 +198,31 @@ class Scheduler:
                 i += 1
                 continue
             # `req` itself was preempted: the list shifted, index i is the next request
-        return budget
+        return None if short else budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Requests whose grammar is still compiling keep their place in the queue."""
         cfg = self.config
-        not_ready: list[Request] = []  # grammar still compiling: keep their place in the queue
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting.popleft()
-            if not req.ready:
-                not_ready.append(req)
-                continue
+        capped: set[int] = set()  # their tenant's prompt tokens are spent for this step
+        while budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self._next_waiting(capped)
+            if req is None:
+                break
             n = min(req.num_uncomputed_tokens, self._chunk_limit(req))
             if n > budget and cfg.enable_chunked_prefill:
                 n = budget
+            n = self._capped(req, n)
+            if n == 0:
+                capped |= {id(r) for r in self.waiting if r.tenant == req.tenant}
+                continue
             fits = n <= budget or not out.chunks  # unchunked: a long prompt runs alone, not never
             if not fits or not self._reserve_pages(req, req.num_cached_tokens + n):
-                self.waiting.appendleft(req)
                 break
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
-        self.waiting.extendleft(reversed(not_ready))
 
     def _chunk_limit(self, req: Request) -> int:
         """A bounded KV policy takes its prompt in chunks its budget can hold."""
@@ -137,10 +247,18 @@ class Scheduler:
         return True
 
     def _pick_victim(self, scheduled: set[int]) -> Request:
-        for req in reversed(self.running):
-            if id(req) not in scheduled:
-                return req
-        raise AssertionError("a scheduled request cannot be preempted")  # pragma: no cover
+        """The newest unscheduled request; fair: of the tenant furthest over its share of the
+        running requests."""
+        free = [r for r in self.running if id(r) not in scheduled]
+        if not free:
+            raise AssertionError("a scheduled request cannot be preempted")  # pragma: no cover
+        if self.config.fair:
+            held = Counter(r.tenant for r in self.running)
+            share = self.shares.split(len(self.running), dict.fromkeys(held))
+            over = self.shares.most_over({r.tenant: held[r.tenant] for r in free}, share)
+            if over is not None:
+                return next(r for r in reversed(free) if r.tenant == over)
+        return free[-1]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
