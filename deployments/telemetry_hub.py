@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from deployments.config import ServiceConfig, TelemetryConfig
@@ -82,7 +83,9 @@ _lock = threading.Lock()
 def setup(config: ServiceConfig, component: str, hub: Any | None) -> telemetry.Telemetry:
     """This process's telemetry from the config, and its pusher when a hub is given."""
     global _pusher
-    tel = telemetry.configure(settings_from(config.telemetry), component)
+    # the ingress takes trace context from clients: it decides their sampling itself
+    settings = replace(settings_from(config.telemetry), edge=component == "Ingress")
+    tel = telemetry.configure(settings, component)
     with _lock:
         if hub is not None and tel.enabled and _pusher is None:
             _pusher = Pusher(hub, component)

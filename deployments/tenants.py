@@ -45,6 +45,10 @@ class LimitError(Exception):
         self.reason = reason
 
 
+class NeverFits(ValueError):
+    """A request over a limit no wait can lift (a 400): more choices than concurrent slots."""
+
+
 @dataclass
 class _Bucket:
     capacity: float
@@ -120,8 +124,14 @@ class Tenants:
         return self.limits.get(tenant) or self.limits[DEFAULT_TENANT]
 
     def admit(self, tenant: str, slots: int = 1) -> None:
-        """Takes a rate token and `slots` concurrency slots (one per sequence), or raises."""
+        """Takes a rate token and `slots` concurrency slots (one per sequence), or raises
+        (`NeverFits` when no retry could help)."""
         lim = self.limits_of(tenant)
+        if slots > lim.max_concurrent:
+            raise NeverFits(
+                f"n: {slots} choices need more than this tenant's {lim.max_concurrent} "
+                "concurrent requests; ask for fewer"
+            )
         with self._lock:
             bucket = self._buckets.get(tenant)
             if bucket is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -38,6 +39,13 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import NoOpMeter
 from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.telemetry import logs
@@ -62,6 +70,34 @@ class TelemetrySettings:
     sampling_ratio: float = 1.0
     log_prompts: bool = False
     export_interval_s: float = 5.0
+    # this process takes trace context from clients (the ingress): their `sampled` flag is a
+    # claim, not an order; the decision is ours, at `sampling_ratio`
+    edge: bool = False
+
+
+class OwnDice(Sampler):
+    """Samples at `ratio` by a random draw of ours: neither the client's `sampled` flag nor a
+    trace id chosen to fall under TraceIdRatioBased's bound can force a trace on."""
+
+    def __init__(self, ratio: float) -> None:
+        self._ratio = ratio
+
+    def should_sample(
+        self,
+        parent_context: Any,
+        trace_id: int,
+        name: str,
+        kind: Any = None,
+        attributes: Any = None,
+        links: Any = None,
+        trace_state: Any = None,
+    ) -> SamplingResult:
+        if random.random() < self._ratio:
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, trace_state)
+        return SamplingResult(Decision.DROP, None, trace_state)
+
+    def get_description(self) -> str:
+        return f"OwnDice{{{self._ratio}}}"
 
 
 class LocalSpans(SpanProcessor):
@@ -98,7 +134,6 @@ class Telemetry:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         resource = Resource.create(
             {
@@ -107,7 +142,10 @@ class Telemetry:
                 "structserve.component": component,
             }
         )
-        sampler = ParentBased(TraceIdRatioBased(s.sampling_ratio))
+        ratio = TraceIdRatioBased(s.sampling_ratio)
+        sampler = ParentBased(ratio, remote_parent_sampled=OwnDice(s.sampling_ratio))
+        if not s.edge:  # inside the service a remote parent is one of ours: follow it
+            sampler = ParentBased(ratio)
         tracer_provider = TracerProvider(resource=resource, sampler=sampler)
         readers: list[Any] = [*metric_readers]
         self.reader = InMemoryMetricReader()  # what this process pushes to /metrics

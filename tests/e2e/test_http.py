@@ -192,6 +192,11 @@ def test_concurrency_limit_answers_429_while_a_request_runs(server):
         f"{server}/v1/completions", headers=headers, json={**body, "stream": False}, timeout=120
     )
     assert after.status_code == 200  # the slot was released
+    never = requests.post(  # more choices than the tenant may ever run: no retry helps
+        f"{server}/v1/completions", headers=headers, json={**body, "stream": False, "n": 2}
+    )
+    assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+    assert "Retry-After" not in never.headers
 
 
 @pytest.mark.parametrize(

@@ -130,6 +130,25 @@ def test_sampling_ratio_zero_records_no_span_but_keeps_metrics():
     tel.shutdown()
 
 
+def test_a_clients_sampled_flag_cannot_force_a_trace_on_at_the_edge():
+    """At the ingress the client's `sampled` flag and trace id are claims; inside the service
+    a remote parent is one of ours and is followed."""
+    forced = {"traceparent": f"00-{'00' * 8}{'01' * 8}-{'cd' * 8}-01"}  # under any ratio bound
+    for edge, kept in ((True, 0), (False, 1)):
+        exporter = InMemorySpanExporter()
+        settings = TelemetrySettings(sampling_ratio=0.0, edge=edge)
+        tel = Telemetry(settings, "test", span_exporter=exporter)
+        tel.tracer.start_span("request", tel.extract(forced)).end()
+        assert len(exporter.get_finished_spans()) == kept
+        tel.shutdown()
+    exporter = InMemorySpanExporter()
+    tel = Telemetry(TelemetrySettings(sampling_ratio=1.0, edge=True), "t", span_exporter=exporter)
+    tel.tracer.start_span("request", tel.extract(forced)).end()
+    (span,) = exporter.get_finished_spans()
+    assert span.context.trace_id == int("00" * 8 + "01" * 8, 16)  # the client's trace goes on
+    tel.shutdown()
+
+
 def test_disabled_telemetry_is_a_no_op():
     tel = Telemetry(TelemetrySettings(enabled=False), "test")
     span = tel.tracer.start_span("nothing")
