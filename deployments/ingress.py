@@ -36,6 +36,7 @@ from deployments.protocol import (
     client_request_id,
     engine_id,
     new_id,
+    template_options,
 )
 from deployments.telemetry_hub import pusher, setup
 from deployments.tenants import AuthError, LimitError, NeverFits, Tenants
@@ -148,7 +149,7 @@ class Ingress:
             messages = tools.messages_of(body)
         except ValueError as exc:
             raise ApiError(400, str(exc), str(exc).split(":")[0]) from exc
-        template = body.template_options()
+        template = template_options(body)
         if (listed := tools.prompt_tools(body)) is not None:
             template["tools"] = listed
         return None, messages, template
@@ -305,7 +306,7 @@ class Ingress:
         messages = template = None
         if body.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            template = body.template_options()
+            template = template_options(body)
         out = await self.llm.tokenize.remote(body.prompt, messages, template)
         raise_for(out)
         return JSONResponse(out)

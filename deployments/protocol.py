@@ -261,9 +261,6 @@ class ChatCompletionRequest(_Common):
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_options(self) -> dict[str, Any]:
-        return template_options(self)
-
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] = Field(min_length=1)
@@ -294,9 +291,6 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-
-    def template_options(self) -> dict[str, Any]:
-        return template_options(self)
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

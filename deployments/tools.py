@@ -180,15 +180,12 @@ class CallParser:
         return (self.content.strip() or None), self.calls
 
     def _step(self) -> list[dict[str, Any]]:
-        buf = self._buffer
         if self._state == "text":
-            at = buf.find(TRIGGER)
-            if at < 0:
-                keep = _held(buf, TRIGGER)
-                self._buffer = buf[len(buf) - keep :]
-                return self._text(buf[: len(buf) - keep])
-            self._state, self._buffer = "head", buf[at + len(TRIGGER) :]
-            return self._text(buf[:at])
+            before, found = self._take_until(TRIGGER)
+            if found:
+                self._state = "head"
+            return self._text(before)
+        buf = self._buffer
         if self._state == "head":
             match = _HEAD.match(buf)
             if match is None:
@@ -202,14 +199,24 @@ class CallParser:
             fn = {"name": call.name, "arguments": ""}
             entry = {"index": len(self.calls) - 1, "id": call.id, "type": "function"}
             return self._out([{"tool_calls": [{**entry, "function": fn}]}])
-        at = buf.find(END)
-        if at < 0:
-            keep = _held(buf, END)
-            self._buffer = buf[len(buf) - keep :]
-            return self._args(buf[: len(buf) - keep])
-        self._state, self._buffer = "text", buf[at + len(END) :]
-        out = self._args(buf[:at])
-        return out + self._complete()
+        before, found = self._take_until(END)
+        out = self._args(before)
+        if found:
+            self._state = "text"
+            out += self._complete()
+        return out
+
+    def _take_until(self, marker: str) -> tuple[str, bool]:
+        """The buffer's text before `marker` (consumed with it), and whether it was there;
+        without it, all but a tail that could begin it."""
+        buf = self._buffer
+        at = buf.find(marker)
+        if at >= 0:
+            self._buffer = buf[at + len(marker) :]
+            return buf[:at], True
+        keep = _held(buf, marker)
+        self._buffer = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
 
     def _complete(self) -> list[dict[str, Any]]:
         """A later call is sent once whole, unless it repeats an earlier one: a small model's

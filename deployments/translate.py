@@ -28,7 +28,7 @@ _ALIASES = {
 }
 
 
-def structural_tag(value: dict[str, Any]) -> dict[str, Any]:
+def xgrammar_tag(value: dict[str, Any]) -> dict[str, Any]:
     """xgrammar's structural tag, from its own shape (`format`) or vLLM's older one
     (`structures` of begin/schema/end, and `triggers`)."""
     if "format" in value or "structures" not in value:
@@ -129,7 +129,7 @@ def structured_from(body: Any) -> StructuredOutput | None:
     if tag is not None:
         if not isinstance(tag, dict):
             raise BadRequest("structural_tag: must be a JSON object", field)
-        kwargs["structural_tag"] = structural_tag({k: v for k, v in tag.items() if v is not None})
+        kwargs["structural_tag"] = xgrammar_tag({k: v for k, v in tag.items() if v is not None})
     try:
         return StructuredOutput(**kwargs)
     except ValueError as exc:

@@ -162,11 +162,11 @@ class Scheduler:
     def _next_waiting(self, skip: set[int]) -> Request | None:
         """Fair: the first ready request of the tenant with the least virtual time, among
         those under their slot share if any is; else the first ready one."""
+        if not self.config.fair:
+            return next((r for r in self.waiting if r.ready and id(r) not in skip), None)
         ready = [r for r in self.waiting if r.ready and id(r) not in skip]
         if not ready:
             return None
-        if not self.config.fair:
-            return ready[0]
         tenants = list(dict.fromkeys(r.tenant for r in ready))
         shares = self._slot_shares()
         held = Counter(r.tenant for r in self.running)

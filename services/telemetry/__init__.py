@@ -143,8 +143,9 @@ class Telemetry:
             }
         )
         ratio = TraceIdRatioBased(s.sampling_ratio)
-        sampler = ParentBased(ratio, remote_parent_sampled=OwnDice(s.sampling_ratio))
-        if not s.edge:  # inside the service a remote parent is one of ours: follow it
+        if s.edge:  # a client's parent: our own draw; inside the service a parent is ours
+            sampler = ParentBased(ratio, remote_parent_sampled=OwnDice(s.sampling_ratio))
+        else:
             sampler = ParentBased(ratio)
         tracer_provider = TracerProvider(resource=resource, sampler=sampler)
         readers: list[Any] = [*metric_readers]

@@ -7,7 +7,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from deployments.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from deployments.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    template_options,
+)
 from deployments.translate import sampling_from
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -120,7 +125,7 @@ def test_chat_template_options_travel_with_the_body():
             "chat_template_kwargs": {"enable_thinking": False},
         }
     )
-    assert body.template_options() == {
+    assert template_options(body) == {
         "add_generation_prompt": False,
         "continue_final_message": True,
         "enable_thinking": False,

@@ -21,7 +21,7 @@ import torch
 
 from services.engine.boundary import RequestError
 from services.engine.grammar.backend import GrammarBackend, GrammarError
-from services.engine.grammar.finish import repeated_unit
+from services.engine.grammar.finish import MAX_UNIT, repeated_unit
 from services.engine.grammar.masks import MaskFiller, PendingMasks
 from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider
 from services.engine.grammar.validation import OutputValidator
@@ -228,7 +228,7 @@ class GrammarManager:
                 f"structured.max_whitespace_run: {req.whitespace_run} whitespace-only tokens"
             )
         run = spec.max_repeat_run
-        if run is not None and len(req.token_ids) - req.num_prompt_tokens + 1 >= run:
+        if run is not None and self._may_repeat(req, token, run):
             unit = repeated_unit([*req.token_ids[1 - run :], token], self._tokenizer.decode)
             if unit is not None:
                 raise RequestError(
@@ -277,6 +277,15 @@ class GrammarManager:
         self.jump_forward_tokens += len(ids) - keep
         self.forward_passes_saved += len(ids) - 1
         return ids
+
+    @staticmethod
+    def _may_repeat(req: Request, token: int, run: int) -> bool:
+        """A cheap screen before the repeat check copies the tail: long enough, and the new
+        token equals the one a unit's length back."""
+        ids = req.token_ids
+        if len(ids) - req.num_prompt_tokens + 1 < run:
+            return False
+        return any(ids[-period] == token for period in range(1, MAX_UNIT + 1))
 
     def _is_whitespace(self, token: int) -> bool:
         known = self._whitespace.get(token)
