@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def build(redis_url: str, workers: int, deadline_s: float) -> tuple[Any, Any, An
     eos = loaded.tokenizer.eos_token_id
     backend = XGrammarBackend(loaded.tokenizer, vocab, [eos], cache=False)
     client = redis.Redis.from_url(redis_url)
-    cfg = CompilerConfig(workers=workers, deadline_s=deadline_s)
+    secret = os.environ.get("STRUCTSERVE_VERDICT_SECRET") or "grammar-cache-bench-secret"
+    cfg = CompilerConfig(workers=workers, deadline_s=deadline_s, verdict_secret=secret)
     service = CompileService(backend.tokenizer_info, cfg, redis=client)
     return backend, service, ServiceGrammarProvider(backend, service)
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
 
 from deployments import logprobs, tools
 from deployments.observe import RequestObs
@@ -35,7 +33,7 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         retry_after: float | None = None,
-        reason: str | None = None,  # of a 429: rate, concurrency, replica_busy, grammar_busy
+        reason: str | None = None,  # of a 429 (REASONS_429)
         code: str | None = None,  # OpenAI's error code, e.g. model_not_found
     ) -> None:
         super().__init__(message)
@@ -43,11 +41,23 @@ class ApiError(Exception):
         self.reason, self.code = reason, code
 
 
+# Why a 429: the error's `code`, so a client can tell waiting (Retry-After) from asking for less.
+REASONS_429 = (
+    "rate",  # the tenant's requests per minute
+    "concurrency",  # the tenant's concurrent requests
+    "tokens",  # the tenant's tokens per minute
+    "replica_busy",  # every model replica's queue is full
+    "grammar_busy",  # the compile service is at its limit (for everyone, or for this tenant)
+    "kv_tier_full",  # the KV host tier has no room for the tenant's pages now
+    "registrations_cap",  # the tenant's grammar registrations are at their cap (delete some)
+)
+
 KINDS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -77,36 +87,24 @@ async def _tool_verdict(body: Any, result: dict[str, Any], calls: list[Any]) -> 
     return tools.finish_reason(result["finish_reason"], calls)
 
 
+def engine_refusal(first: dict[str, Any]) -> ApiError:
+    """A request the replica refused before its first token, as the HTTP error it maps to."""
+    message = first["warnings"][-1] if first["warnings"] else "request refused"
+    status = first["error_status"] or 400
+    field = message.split(":")[0]
+    if status != 429:
+        return ApiError(status, message, field)
+    reason = "kv_tier_full" if field.startswith("kv.") else "grammar_busy"
+    return ApiError(429, message, field, retry_after=2, reason=reason)
+
+
 def error_response(err: ApiError) -> JSONResponse:
     headers = {}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
-    body = error_body(str(err), KINDS.get(err.status, "server_error"), err.param, err.code)
+    code = err.code or (err.reason if err.status == 429 else None)
+    body = error_body(str(err), KINDS.get(err.status, "server_error"), err.param, code)
     return JSONResponse(body, status_code=err.status, headers=headers)
-
-
-async def read_body(request: Any, model: type[BaseModel], limit: int) -> Any:
-    """The body validated against `model`; counted as it arrives (no unbounded buffer): 413
-    above `limit` bytes, 400 naming the first invalid field."""
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise ApiError(413, f"body: larger than {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"body: larger than {limit} bytes")
-        chunks.append(chunk)
-    try:
-        return model.model_validate_json(b"".join(chunks))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        msg = first["msg"].removeprefix("Value error, ")
-        # a check across fields names its field first ("tool_choice: ...")
-        named = re.match(r"^([a-z_][\w.]*): ", msg)
-        located = ".".join(str(x) for x in first["loc"])
-        if not located:
-            raise ApiError(400, msg, named.group(1) if named else None) from exc
-        raise ApiError(400, f"{located}: {msg}", located) from exc
 
 
 def cancel(streams: list[Any]) -> None:
@@ -201,10 +199,11 @@ async def sse(
     chat: bool,
     streams: list,
     firsts: list,
-    release: Callable[[], None],
+    release: Callable[[int], Awaitable[None]],
 ) -> AsyncIterator[str]:
     """Server-sent events as the choices stream in; `release` frees the tenant's slots at the
-    end, also when the client goes away."""
+    end, also when the client goes away, given the tokens spent (those of choices cut short
+    too: an abandoned answer is charged what it made)."""
     created = now()
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -270,6 +269,7 @@ async def sse(
         for i, (s, f) in enumerate(zip(streams, firsts, strict=True))
     ]
     usage = {"prompt_tokens": firsts[0]["prompt_tokens"], "completion_tokens": 0}
+    made = [f["completion_tokens"] for f in firsts]  # each choice's tokens so far
     try:
         if chat:
             for i in range(len(streams)):
@@ -287,6 +287,7 @@ async def sse(
                 err = error_body("the model replica failed mid-stream", "server_error")
                 yield "data: " + json.dumps(err) + "\n\n"
             else:
+                made[index] = item["completion_tokens"]
                 last, events = await chunks(index, item)
                 if last["finished"]:
                     usage["completion_tokens"] += last["completion_tokens"]
@@ -298,6 +299,7 @@ async def sse(
                     cancel([streams[index]])
                 for e in events:
                     yield e
+        await release(usage["prompt_tokens"] + sum(made))  # before the end: see Tenants.release
         if body.stream_options is not None and body.stream_options.include_usage:
             total = usage["prompt_tokens"] + usage["completion_tokens"]
             obj = {"id": rid, "object": kind, "created": created, "model": body.model}
@@ -311,5 +313,5 @@ async def sse(
         for t in tasks:
             t.cancel()
         cancel(streams)
-        release()
+        release(usage["prompt_tokens"] + sum(made))  # any other end (idempotent)
         obs.finish(200)

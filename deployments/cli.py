@@ -1,9 +1,12 @@
 """`structserve serve`: starts Ray locally, deploys the application, prints the URL and a key.
+`structserve keys`: API keys kept in Redis, added and revoked while the service runs.
 
     structserve serve [--model DIR] [--port 8000] [--redis-url URL] [--api-key KEY] [--config F]
+    structserve keys add TENANT [--key KEY] | keys revoke KEY_OR_SHA256 | keys list
 
 Without `--redis-url` it uses `REDIS_URL` when set, else an in-process cache (registrations then
 live as long as the service). Without any configured key it makes one for the default tenant.
+A revoked key is refused from the next request on, by every ingress replica.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def serve_command(args: argparse.Namespace) -> int:
         key, made_key = "sk-" + secrets.token_urlsafe(24), True
     if key:
         os.environ["STRUCTSERVE_API_KEY"] = key  # the builder reads the default tenant's key here
+    # Verdicts in Redis are signed; without a secret of the operator's, one for this run (the
+    # replicas inherit it: set before Ray starts). A new one only means recompiles.
+    os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", secrets.token_urlsafe(32))
 
     import ray
     from ray import serve
@@ -102,6 +108,35 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def keys_command(args: argparse.Namespace) -> int:
+    import redis
+
+    from deployments.tenants import add_key, list_keys, revoke_key
+
+    url = args.redis_url or settings.redis_url()
+    if not url:
+        print("structserve keys: give --redis-url or set REDIS_URL", file=sys.stderr)
+        return 2
+    client = redis.Redis.from_url(url, socket_timeout=5.0)
+    if args.action == "add":
+        key = args.key or "sk-" + secrets.token_urlsafe(24)
+        try:
+            digest = add_key(client, args.tenant, key)
+        except ValueError as exc:
+            print(f"structserve keys: {exc}", file=sys.stderr)
+            return 2
+        print(f"{key}\t{args.tenant}\tsha256:{digest}")
+    elif args.action == "revoke":
+        if not revoke_key(client, args.key):
+            print("structserve keys: no such key", file=sys.stderr)
+            return 1
+        print("revoked")
+    else:
+        for digest, tenant in list_keys(client):
+            print(f"sha256:{digest}\t{tenant}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="structserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,8 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--api-key", help="the default tenant's API key")
     s.add_argument("--config", help="a ServiceConfig as JSON or YAML")
     s.add_argument("--verbose", action="store_true", help="show Ray's logs")
+    k = sub.add_parser("keys", help="add, revoke or list API keys kept in Redis")
+    k.add_argument("--redis-url", help="the service's Redis (default: REDIS_URL)")
+    ks = k.add_subparsers(dest="action", required=True)
+    add = ks.add_parser("add", help="a new key for TENANT (printed once; stored hashed)")
+    add.add_argument("tenant")
+    add.add_argument("--key", help="the key to store (default: a new random one)")
+    rev = ks.add_parser("revoke", help="delete a key, by itself or its sha256 digest")
+    rev.add_argument("key")
+    ks.add_parser("list", help="every key's digest and tenant")
     args = p.parse_args(argv)
-    return serve_command(args)
+    return keys_command(args) if args.command == "keys" else serve_command(args)
 
 
 if __name__ == "__main__":

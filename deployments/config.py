@@ -6,12 +6,13 @@ one from its flags, and `deployments.app:build_app` takes its dict form. Unknown
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grammar_registry.limits import GrammarLimits
 from grammar_registry.tenants import RegistrationCaps
+from services.engine.config import EngineConfig
 
 
 class _Strict(BaseModel):
@@ -31,12 +32,27 @@ class IngressConfig(Backpressure):
     port: int = Field(default=8000, ge=1, le=65535)
     host: str = "127.0.0.1"
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    # a body still arriving after this is a 408: a slow sender holds one of its tenant's slots
+    # (taken before the body is read) for this long at most
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
 
 class LLMConfig(Backpressure):
+    # well above the engine's max_num_seqs: requests then wait in the engine's fair queue
+    # (weighted between tenants), not in the handle's arrival order (cheap: a waiting request
+    # holds no KV pages)
+    max_ongoing_requests: int = Field(default=256, ge=1)
     num_gpus: float = Field(default=0.0, ge=0)
-    # EngineConfig fields (services.engine.config), e.g. {"kv_cache_memory": 268435456}
-    engine: dict[str, Any] = Field(default_factory=dict)
+    # services.engine.config.EngineConfig, e.g. {"kv_cache_memory": 268435456}; a misspelt
+    # field fails at load
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @field_validator("engine")
+    @classmethod
+    def _model_at_top(cls, engine: EngineConfig) -> EngineConfig:
+        if engine.model is not None:
+            raise ValueError("llm.engine.model: name the model in the top-level `model` field")
+        return engine
 
 
 class GrammarServiceConfig(Backpressure):
@@ -47,14 +63,21 @@ class GrammarServiceConfig(Backpressure):
     caps: RegistrationCaps = RegistrationCaps()
 
 
+TENANT_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # it becomes part of Redis keys and metric labels
+
+
 class TenantLimits(_Strict):
+    """For the whole service, whatever the number of ingress replicas (deployments/quota.py)."""
+
     requests_per_minute: int = Field(default=600, ge=1)
     max_concurrent: int = Field(default=32, ge=1)
+    # prompt + completion tokens, charged as each answer ends; None: no token limit
+    tokens_per_minute: int | None = Field(default=None, ge=1)
     max_tokens: int = Field(default=4096, ge=1)
 
 
 class TenantConfig(_Strict):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=TENANT_NAME)
     # sha256 hex digests of the API keys (never the keys themselves)
     api_key_sha256: list[str] = Field(default_factory=list)
     limits: TenantLimits = TenantLimits()

@@ -20,8 +20,16 @@ class GrammarRegistration(BaseModel):
 
 
 def raise_for(out: Any) -> None:
-    if isinstance(out, dict) and "error" in out:
-        raise ApiError(int(out["status"]), out["error"], reason="grammar_busy")
+    """The grammar service's error answer as an HTTP error; a busy compile service is worth a
+    retry, a full registrations cap is not until the tenant deletes some."""
+    if not (isinstance(out, dict) and "error" in out):
+        return
+    status, reason = int(out["status"]), out.get("reason")
+    if status == 429 and reason == "registration":
+        raise ApiError(429, out["error"], reason="registrations_cap")
+    if status == 429:
+        raise ApiError(429, out["error"], retry_after=2, reason="grammar_busy")
+    raise ApiError(status, out["error"])
 
 
 def grammar_view(reg: dict[str, Any], spec: bool = False) -> dict[str, Any]:

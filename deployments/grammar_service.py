@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from opentelemetry.trace import Status, StatusCode
+from pydantic import SecretStr
 
 from deployments.config import ServiceConfig
 from deployments.telemetry_hub import setup
@@ -73,6 +74,7 @@ class GrammarService:
             mask_budget_ms=g.mask_budget_ms,
             limits=g.limits,
             caps=g.caps,
+            verdict_secret=SecretStr(secret) if (secret := settings.verdict_secret()) else None,
         )
         backend = grammar_backend(cfg)
         self.service = CompileService(

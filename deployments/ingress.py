@@ -1,9 +1,11 @@
 """The HTTP ingress: the OpenAI API, grammar registration, health and metrics.
 
-Each request: authenticate (API key → tenant), admit (tenant rate and concurrency), validate the
-body, then stream from an `LLMReplica` through its handle. Errors use the OpenAI error shape; no
-input a client can send produces a 500 or a hang. Each completion is one server span, one count
-and one JSON log line (deployments/observe.py); `/metrics` sums every replica's metrics.
+Each request: authenticate (API key → tenant), admit (the tenant's limits, for the whole service,
+before the body is read: a slow sender holds its own tenant's slot, no one else's), read and
+validate the body, then stream from an `LLMReplica` through its handle. Errors use the OpenAI
+error shape; no input a client can send produces a 500 or a hang. Each completion is one server
+span, one count and one JSON log line (deployments/observe.py); `/metrics` sums every replica's
+metrics.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time
@@ -17,14 +19,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import openapi, tools
-from deployments.answers import ApiError, cancel, collect, error_response, read_body, sse
+from deployments.answers import ApiError, cancel, collect, engine_refusal, error_response, sse
 from deployments.config import ServiceConfig
+from deployments.edge import ReleasingStream, check_metrics_token, read_body, refuse_control_headers
 from deployments.grammar_api import GrammarRegistration, grammar_view, raise_for
 from deployments.observe import RequestObs, observe
 from deployments.protocol import (
@@ -38,11 +41,11 @@ from deployments.protocol import (
     new_id,
     template_options,
 )
-from deployments.telemetry_hub import pusher, setup
-from deployments.tenants import AuthError, LimitError, NeverFits, Tenants
+from deployments.quota import Lease, LimitError
+from deployments.telemetry_hub import scraped, setup
+from deployments.tenants import AuthError, NeverFits, Tenants
 from deployments.translate import sampling_from, structured_from
-from services import telemetry
-from services.telemetry.snapshot import render
+from services import settings
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +104,20 @@ class Ingress:
         self.grammar = grammar
         self.hub = hub
         self.tenants = Tenants(self.config, default_key, redis_client(self.config.redis_url))
+        self.metrics_token = settings.metrics_token()
 
     # -- plumbing ------------------------------------------------------------------------
 
     async def _tenant(self, request: Request) -> str:
+        refuse_control_headers(request.headers)
         try:
             return await self.tenants.authenticate(request.headers.get("authorization"))
         except AuthError as exc:
             raise ApiError(401, str(exc)) from exc
 
     async def _body(self, request: Request, model: type[BaseModel]) -> Any:
-        return await read_body(request, model, self.config.ingress.max_body_bytes)
+        ing = self.config.ingress
+        return await read_body(request, model, ing.max_body_bytes, ing.body_timeout_s)
 
     def _check_model(self, model: str) -> None:
         names = (self.config.served_model_name, *self.config.model_aliases)
@@ -123,9 +129,13 @@ class Ingress:
                 code="model_not_found",
             )
 
-    def _admit(self, tenant: str, slots: int = 1) -> None:
+    async def _admit(self, tenant: str, lease: Lease | None = None, more: int = 0) -> Lease:
+        """A new lease (one slot and a rate token), or `more` slots on `lease`."""
         try:
-            self.tenants.admit(tenant, slots)
+            if lease is None:
+                return await self.tenants.admit(tenant)
+            await self.tenants.grow(lease, more)
+            return lease
         except NeverFits as exc:  # no retry can help: a 400, not a 429
             raise ApiError(400, str(exc), "n") from exc
         except LimitError as exc:
@@ -179,9 +189,7 @@ class Ingress:
             log.warning("replica failed: %s", exc)
             raise ApiError(503, "the model replica is unavailable; try again") from exc
         if first["finish_reason"] == "error" and not first["completion_tokens"]:
-            message = first["warnings"][-1] if first["warnings"] else "request refused"
-            status = first["error_status"] or 400
-            raise ApiError(status, message, message.split(":")[0], reason="grammar_busy")
+            raise engine_refusal(first)
         return first
 
     # -- completions ---------------------------------------------------------------------
@@ -193,38 +201,39 @@ class Ingress:
         except BaseException as err:  # incl. a client gone before the answer
             obs.finish(err.status if isinstance(err, ApiError) else 499, err)
             raise
-        if not isinstance(response, StreamingResponse):  # a stream finishes with its last event
+        if not isinstance(response, ReleasingStream):  # a stream finishes with its last event
             obs.finish(200)
         return response
 
     async def _complete(self, request: Request, chat: bool, obs: RequestObs) -> Response:
         tenant = obs.tenant = await self._tenant(request)
-        body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
-        self._check_model(body.model)
-        params = self._params(tenant, body)
-        rid = new_id("chatcmpl" if chat else "cmpl", client_request_id(request.headers))
-        obs.describe(body, params, rid, self.config.served_model_name)
-        inputs = self._inputs(body)
-        self._admit(tenant, body.n)
+        lease = await self._admit(tenant)
         streams: list[Any] = []
+        streaming = False  # the stream releases the lease from then on
         try:
+            body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
+            self._check_model(body.model)
+            params = self._params(tenant, body)
+            rid = new_id("chatcmpl" if chat else "cmpl", client_request_id(request.headers))
+            obs.describe(body, params, rid, self.config.served_model_name)
+            inputs = self._inputs(body)
+            await self._admit(tenant, lease, body.n - 1)
             streams = [self._stream(obs, inputs, params, i, rid) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
-        except BaseException:  # incl. a client gone before the first token
-            cancel(streams)
-            self.tenants.release(tenant, body.n)
-            raise
-        if body.stream:
-            release = functools.partial(self.tenants.release, tenant, body.n)
-            events = sse(obs, body, rid, chat, streams, firsts, release)
-            return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            return JSONResponse(await collect(obs, body, rid, chat, streams, firsts))
-        except BaseException:
+            if body.stream:
+                release = functools.partial(self.tenants.release, lease)
+                events = sse(obs, body, rid, chat, streams, firsts, release)
+                streaming = True
+                return ReleasingStream(events, release)
+            answer = await collect(obs, body, rid, chat, streams, firsts)
+            await self.tenants.release(lease, sum(obs.usage.values()))  # see Tenants.release
+            return JSONResponse(answer)
+        except BaseException:  # incl. a client gone before the answer
             cancel(streams)
             raise
         finally:
-            self.tenants.release(tenant, body.n)
+            if not streaming:  # any other end (idempotent)
+                self.tenants.release(lease, sum(obs.usage.values()))
 
     # -- grammars ------------------------------------------------------------------------
 
@@ -240,22 +249,23 @@ class Ingress:
 
     async def _register_grammar(self, request: Request, obs: RequestObs) -> JSONResponse:
         tenant = obs.tenant = await self._tenant(request)
-        body = await self._body(request, GrammarRegistration)
-        try:
-            structured = structured_from(body)
-        except BadRequest as exc:
-            raise ApiError(400, str(exc), exc.param) from exc
-        if structured is None or structured.grammar_id is not None:
-            raise ApiError(400, "give the grammar in structured_outputs or response_format")
-        from dataclasses import replace
-
-        structured = replace(structured, fidelity=body.fidelity)
         start = time.perf_counter()
-        self._admit(tenant)  # a registration is a compile: it counts like a request
+        lease = await self._admit(tenant)  # a registration is a compile: it counts like a request
         try:
+            body = await self._body(request, GrammarRegistration)
+            try:
+                structured = structured_from(body)
+            except BadRequest as exc:
+                raise ApiError(400, str(exc), exc.param) from exc
+            if structured is None or structured.grammar_id is not None:
+                raise ApiError(400, "give the grammar in structured_outputs or response_format")
+            from dataclasses import replace
+
+            structured = replace(structured, fidelity=body.fidelity)
             out = await self.grammar.register.remote(tenant, body.name, structured)
+            await self.tenants.release(lease)
         finally:
-            self.tenants.release(tenant)
+            self.tenants.release(lease)  # any other end (idempotent)
         raise_for(out)
         return JSONResponse(
             {
@@ -329,24 +339,12 @@ class Ingress:
         status = "ok" if grammar["redis"] is not False else "degraded"
         return JSONResponse({"status": status, "redis": grammar["redis"]})
 
-    async def metrics(self) -> PlainTextResponse:
-        """Every replica's metrics, summed by the hub (this replica's pushed first, so what it
-        just counted is in); the hub unreachable: this replica's alone."""
-        kind = "text/plain; version=0.0.4; charset=utf-8"
-        tel = telemetry.get()
-        if not tel.enabled:
-            return PlainTextResponse("# telemetry is disabled\n", media_type=kind)
-        own = tel.snapshot()
-        push = pusher()
-        try:
-            if self.hub is None or push is None:
-                raise LookupError("no telemetry hub")
-            await asyncio.wait_for(self.hub.push.remote(push.source, "Ingress", own), timeout=5)
-            text = await asyncio.wait_for(self.hub.render.remote(), timeout=5)
-        except Exception as exc:
-            log.warning("metrics: the telemetry hub did not answer (%s); this replica only", exc)
-            text = render(own)
-        return PlainTextResponse(text, media_type=kind)
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        """Every replica's metrics (telemetry_hub.scraped); only for the metrics token's holder
+        when one is set (they name tenants and their traffic)."""
+        check_metrics_token(self.metrics_token, request.headers.get("authorization"))
+        text = await scraped(self.hub)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # -- routes (Ray Serve's `serve.ingress(app)` binds them to this class) ----------------
 
@@ -395,5 +393,5 @@ class Ingress:
         return await self.detokenize(request)
 
     @app.get("/metrics")
-    async def prometheus(self) -> PlainTextResponse:
-        return await self.metrics()
+    async def prometheus(self, request: Request) -> PlainTextResponse:
+        return await self.metrics(request)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from opentelemetry import trace as otel_trace
@@ -24,7 +25,6 @@ from deployments import logprobs
 from deployments.config import ServiceConfig
 from deployments.telemetry_hub import setup
 from services.engine.async_llm import AsyncLLM
-from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.params import RequestOutput, SamplingParams
 from services.engine.stats import EngineStats
@@ -73,9 +73,9 @@ class LLMReplica:
     ) -> None:
         cfg = ServiceConfig.model_validate(config)
         self.tel = setup(cfg, "LLMReplica", hub)
-        weights = {t.name: t.weight for t in cfg.tenants}
-        engine = {"tenant_weights": weights, **cfg.llm.engine}
-        self.engine = LLMEngine(EngineConfig(model=cfg.model, **engine))
+        weights = cfg.llm.engine.tenant_weights or {t.name: t.weight for t in cfg.tenants}
+        engine = replace(cfg.llm.engine, model=cfg.model, tenant_weights=weights)
+        self.engine = LLMEngine(engine)
         self.stats = EngineStats(self.engine, self.tel)
         if grammar_handle is not None:
             from deployments.grammar_service import RemoteVerdicts

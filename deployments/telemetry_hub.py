@@ -94,3 +94,26 @@ def setup(config: ServiceConfig, component: str, hub: Any | None) -> telemetry.T
 
 def pusher() -> Pusher | None:
     return _pusher
+
+
+async def scraped(hub: Any | None) -> str:
+    """`/metrics`: every replica's metrics, summed by the hub (this process's pushed first, so
+    what it just counted is in); the hub unreachable: this process's alone."""
+    import asyncio
+
+    from services.telemetry.snapshot import render
+
+    tel = telemetry.get()
+    if not tel.enabled:
+        return "# telemetry is disabled\n"
+    own = tel.snapshot()
+    push = pusher()
+    try:
+        if hub is None or push is None:
+            raise LookupError("no telemetry hub")
+        await asyncio.wait_for(hub.push.remote(push.source, "Ingress", own), timeout=5)
+        text: str = await asyncio.wait_for(hub.render.remote(), timeout=5)
+        return text
+    except Exception as exc:
+        log.warning("metrics: the telemetry hub did not answer (%s); this replica only", exc)
+        return render(own)

@@ -62,10 +62,12 @@ class HostTierFull(RuntimeError):
 
     def __init__(self, tenant: str, asked: int, held: int, cap: int, scope: str) -> None:
         self.tenant, self.asked, self.held, self.cap, self.scope = tenant, asked, held, cap, scope
-        super().__init__(
-            f"KV host tier full ({scope}): tenant {tenant!r} asked for {asked} pages, "
-            f"{held} held of {cap}"
-        )
+        if scope == "capacity":  # the numbers are everyone's: the message keeps them
+            message = f"KV host tier at capacity: no room for {asked} pages now; try again later"
+        else:
+            message = f"KV host tier full ({scope}): tenant {tenant!r} asked for {asked} pages, "
+            message += f"{held} held of {cap}"
+        super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:  # survives pickling (errors crossing processes)
         return type(self), (self.tenant, self.asked, self.held, self.cap, self.scope)

@@ -30,6 +30,17 @@ def api_key() -> str | None:
     return os.environ.get("STRUCTSERVE_API_KEY") or None
 
 
+def metrics_token() -> str | None:
+    """`STRUCTSERVE_METRICS_TOKEN`: when set, `/metrics` answers only `Bearer <token>`."""
+    return os.environ.get("STRUCTSERVE_METRICS_TOKEN") or None
+
+
+def verdict_secret() -> str | None:
+    """`STRUCTSERVE_VERDICT_SECRET`: the key that signs compile verdicts kept in Redis (every
+    process sharing that Redis needs the same one; the chart generates it)."""
+    return os.environ.get("STRUCTSERVE_VERDICT_SECRET") or None
+
+
 def redis_url() -> str | None:
     """`REDIS_URL`: the Redis the service uses when its config names none."""
     return os.environ.get("REDIS_URL") or None

@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# compile verdicts in Redis are signed (grammar_registry/cache.py); Ray's workers inherit it
+os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", "structserve-test-verdict-secret")
 
 import pytest
 

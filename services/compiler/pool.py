@@ -2,9 +2,14 @@
 
 xgrammar cannot be cancelled, so the only safe deadline is a process boundary: the caller waits on
 the worker's socket for at most the deadline, then SIGKILLs it and a replacement starts in the
-background. Workers run `python -m services.compiler.worker`, our own entry point: multiprocessing's
-spawn would re-import the caller's `__main__` (a script without a main guard, or `python -`, kills
-every worker at start), and fork would copy the parent's threads and torch state.
+background. A restart is charged to the tenant whose compile caused it: until the replacement is
+up, it counts as one of that tenant's compiles in flight. With two workers or more, the last idle
+one is kept for a tenant with nothing in flight, so one tenant's slow compiles never make another
+tenant's grammar wait for a worker.
+
+Workers run `python -m services.compiler.worker`, our own entry point: multiprocessing's spawn
+would re-import the caller's `__main__` (a script without a main guard, or `python -`, kills every
+worker at start), and fork would copy the parent's threads and torch state.
 """
 
 from __future__ import annotations
@@ -178,6 +183,9 @@ class WorkerPool:
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()  # starting, idle or busy: close() kills them all
         self._busy = 0
+        self._running: dict[str, int] = {}  # tenant -> workers compiling for it
+        self._restarting: dict[str, int] = {}  # tenant -> replacements its compiles caused
+        self.charged_s: dict[str, float] = {}  # tenant -> worker restart seconds charged to it
         self._start_error = ""  # why the last start failed; '' after one succeeded
         self._closed = False
         self.size = workers
@@ -191,16 +199,34 @@ class WorkerPool:
         """Why the last worker start failed ('' once one started)."""
         return self._start_error
 
-    def _start_one(self) -> None:
+    def in_flight(self, tenant: str) -> int:
+        """The tenant's compiles on a worker, plus the restarts its compiles caused."""
+        with self._cond:
+            return self._running.get(tenant, 0) + self._restarting.get(tenant, 0)
+
+    def restarting(self, tenant: str) -> int:
+        """Workers starting again after the tenant's compile ran out of time or crashed."""
+        with self._cond:
+            return self._restarting.get(tenant, 0)
+
+    def _start_one(self, charged: str | None = None) -> None:
         threading.Thread(
-            target=self._keep_starting, name="compile-worker-start", daemon=True
+            target=self._keep_starting, args=(charged,), name="compile-worker-start", daemon=True
         ).start()
 
-    def _keep_starting(self) -> None:
-        attempt, logged = 0, ""
+    def _keep_starting(self, charged: str | None = None) -> None:
+        attempt, logged, began = 0, "", time.monotonic()
         while not self._closed:
             worker, error = self._try_start()
             with self._cond:
+                if charged is not None:
+                    # Charged up to its first start only: workers that cannot start at all
+                    # are no tenant's doing.
+                    _count(self._restarting, charged, -1)
+                    seconds = time.monotonic() - began
+                    self.charged_s[charged] = self.charged_s.get(charged, 0.0) + seconds
+                    charged = None
+                    self._cond.notify_all()
                 if worker is not None and (error or self._closed):
                     self._all.discard(worker)
                 if self._closed:  # closed while it started: nobody else will kill it
@@ -233,31 +259,42 @@ class WorkerPool:
         with self._cond:
             self._cond.wait_for(lambda: self._closed, seconds)
 
-    def _take(self, wait_s: float) -> _Worker | dict[str, Any]:
-        """An idle worker, or the refusal to answer with."""
+    def _take(self, wait_s: float, tenant: str) -> _Worker | dict[str, Any]:
+        """An idle worker the tenant may use, or the refusal to answer with."""
         end = time.monotonic() + wait_s
         with self._cond:
-            while not self._idle:
+            while not self._free_for(tenant):
                 # No worker can free up: answer now rather than after `wait_s`.
-                if self._start_error and self._busy == 0:
+                if not self._idle and self._start_error and self._busy == 0:
                     error = f"compile workers cannot start: {self._start_error}"
                     return {"ok": False, "reason": "unavailable", "error": error}
                 left = end - time.monotonic()
                 if self._closed or left <= 0:
-                    return {
-                        "ok": False,
-                        "reason": "busy",
-                        "error": "no compile worker free; try later",
-                    }
+                    error = (
+                        "the last free compile worker is kept for tenants with nothing compiling"
+                        if self._idle
+                        else "no compile worker free"
+                    )
+                    return {"ok": False, "reason": "busy", "error": f"{error}; try later"}
                 self._cond.wait(left)
             self._busy += 1
+            _count(self._running, tenant, 1)
             return self._idle.pop()
 
-    def run(self, job: dict[str, Any], deadline_s: float, wait_s: float) -> dict[str, Any]:
-        """The worker's answer, or a refusal: `busy` when no worker frees up within `wait_s`,
-        `unavailable` at once when workers cannot start, `timeout` when the compile runs past
-        `deadline_s`, `crash` when the worker dies."""
-        worker = self._take(wait_s)
+    def _free_for(self, tenant: str) -> bool:
+        if not self._idle:
+            return False
+        in_flight = self._running.get(tenant, 0) + self._restarting.get(tenant, 0)
+        # with one idle worker left, a tenant with nothing in flight only: the reserve
+        return len(self._idle) > 1 or not in_flight
+
+    def run(
+        self, job: dict[str, Any], deadline_s: float, wait_s: float, tenant: str = "default"
+    ) -> dict[str, Any]:
+        """The worker's answer, or a refusal: `busy` when no worker frees up for `tenant` within
+        `wait_s`, `unavailable` at once when workers cannot start, `timeout` when the compile
+        runs past `deadline_s`, `crash` when the worker dies (its restart charged to `tenant`)."""
+        worker = self._take(wait_s, tenant)
         if isinstance(worker, dict):
             return worker
         self.jobs += 1
@@ -265,7 +302,7 @@ class WorkerPool:
             worker.conn.send(job)
             if worker.conn.poll(deadline_s):
                 result: dict[str, Any] = worker.conn.recv()
-                self._give_back(worker, keep=True)
+                self._give_back(worker, tenant, keep=True)
                 for line in result.pop("log", []):
                     log.debug("xgrammar: %s", line)
                 return result
@@ -273,17 +310,21 @@ class WorkerPool:
         except Exception:  # EOF, a broken pipe, an unreadable reply: the worker is not trusted
             reason, error = "crash", "the compile worker died (memory cap or a backend fault)"
         self.kills += 1
-        self._give_back(worker, keep=False)
+        self._give_back(worker, tenant, keep=False)
         worker.kill()
-        self._start_one()
+        self._start_one(charged=tenant)
         return {"ok": False, "reason": reason, "error": error}
 
-    def _give_back(self, worker: _Worker, keep: bool) -> None:
+    def _give_back(self, worker: _Worker, tenant: str, keep: bool) -> None:
         with self._cond:
             self._busy -= 1
+            _count(self._running, tenant, -1)
+            if not keep:  # in the same breath: the tenant's count never dips before its charge
+                _count(self._restarting, tenant, 1)
             if keep and not self._closed:
                 self._idle.append(worker)
-                self._cond.notify()
+                # all: a waiter kept off the last worker would swallow a single notify
+                self._cond.notify_all()
             else:
                 self._all.discard(worker)
 
@@ -301,3 +342,11 @@ class WorkerPool:
             self._cond.notify_all()
         for worker in workers:
             worker.kill()
+
+
+def _count(counts: dict[str, int], tenant: str, delta: int) -> None:
+    n = counts.get(tenant, 0) + delta
+    if n:
+        counts[tenant] = n
+    else:
+        counts.pop(tenant, None)

@@ -5,6 +5,12 @@ then a worker compile) → the handle, loaded from the verdict's blob or, where 
 loading slower than compiling, compiled here. A grammar is only ever compiled in this process after
 a worker has shown it compiles within the deadline and masks within budget.
 
+Loads are shared by key (single flight) and run on a `FairDispatcher`: tenants take turns for the
+resolver threads, and a `busy` verdict parks the load (no thread waits for it) until a compile
+ends here or its backoff is due, for up to `busy_wait_s`. Every caller gets a future of its own:
+cancelling it leaves the load, and a load nobody waits for any more is dropped before it asks the
+service again (one already compiling on a worker finishes, and its verdict is cached).
+
 Each `submit` is one `structserve.grammar.resolve` span (a child of the caller's current span),
 tagged with the cache level that answered; the verdict call to the service runs inside it, so a
 remote service's span joins the same trace.
@@ -16,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from opentelemetry import context as otel_context
@@ -25,7 +31,9 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from grammar_registry.cache import LRUBytes, Verdict
 from grammar_registry.specs import GrammarSpec
-from services import telemetry
+from services import settings, telemetry
+from services.compiler.dispatch import FairDispatcher
+from services.compiler.futures import done, failed, pipe, settle, then
 from services.compiler.service import CompilerConfig, CompileService, raise_for
 from services.compiler.specs import to_spec, to_structured
 from services.engine.grammar.backend import CompiledGrammar, GrammarError
@@ -36,6 +44,8 @@ from services.telemetry import spans
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+BUSY_PAUSE_S = (0.05, 1.0)  # a parked load's first wait, doubling up to the second
 
 
 class _Resolved(NamedTuple):
@@ -61,6 +71,47 @@ class VerdictSource(Protocol):
     def close(self) -> None: ...
 
 
+class _Load:
+    """One grammar's resolution, shared by every request that waits for it (single flight)."""
+
+    def __init__(
+        self,
+        provider: ServiceGrammarProvider,
+        spec: GrammarSpec,
+        tenant: str,
+        scope: str,
+        key: str,
+        parent: Any,
+    ) -> None:
+        self.provider, self.spec, self.key = provider, spec, key
+        self.tenant, self.scope = tenant, scope
+        self.parent = parent  # the first caller's trace context: the attempts are its children
+        self.deadline = time.monotonic() + provider.busy_wait_s
+        self.pause = BUSY_PAUSE_S[0]
+        self.waiters = 0  # callers whose futures are not cancelled; under the provider's lock
+        self.future: Future[_Resolved] = Future()
+
+    def run(self) -> float | None:
+        return _within(self.parent, self.provider._attempt, self)
+
+    def fail(self, exc: BaseException) -> None:
+        settle(self.future, exc=exc)
+
+
+class _Call:
+    """A one-off task in its tenant's turn: a registered grammar's lookup, a downgrade."""
+
+    def __init__(self, tenant: str, fn: Callable[[], None], out: Future[Any] | None = None):
+        self.tenant, self.fn, self.out = tenant, fn, out
+
+    def run(self) -> None:
+        self.fn()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.out is not None:
+            settle(self.out, exc=exc)
+
+
 class ServiceGrammarProvider:
     def __init__(
         self,
@@ -70,70 +121,136 @@ class ServiceGrammarProvider:
         threads: int = 8,
         owns_service: bool = False,
         busy_wait_s: float = 120.0,
+        tenant_threads: int | None = None,  # default: half the threads
     ) -> None:
         self.backend = backend
         self.service = service
         self._owns_service = owns_service
         self.busy_wait_s = busy_wait_s
         self.l1 = LRUBytes(l1_bytes)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-resolve")
+        self.dispatcher = FairDispatcher(threads, tenant_threads or max(1, threads // 2))
         self._lock = threading.Lock()
-        self._loading: dict[str, Future[_Resolved]] = {}
+        self._loading: dict[str, _Load] = {}
         self.stats = {"l1": 0, "blob": 0, "local": 0}
 
     def submit(self, spec: StructuredOutput, tenant: str = "default") -> Future[CompiledGrammar]:
-        """Resolves on a thread; an L1 hit is answered at once. Never raises: every failure is
-        a failed future carrying a `GrammarError`."""
+        """An L1 hit is answered at once, the rest in the tenant's turn. Never raises: every
+        failure is a failed future carrying a `GrammarError`. Cancel the future to stop waiting."""
         attrs = {spans.GRAMMAR_KIND: spec.kind, spans.TENANT: tenant}
         span = telemetry.get().tracer.start_span(spans.GRAMMAR_RESOLVE, attributes=attrs)
         parent = trace.set_span_in_context(span)
-        if spec.grammar_id is not None:  # a remote lookup: never on the caller's (engine) thread
-            call = self._pool.submit(_within, parent, self._registered, spec, tenant)
-            return _ended(_guarded(call, spec.kind), span)
         try:
-            inner = self._submit(spec, tenant, parent)
-        except GrammarError as exc:
-            inner = _failed(exc)
-        except Exception as exc:
-            inner = _failed(GrammarError(f"structured.{spec.kind}: {exc!r}"[:300]))
+            if spec.grammar_id is not None:  # a remote lookup: never on the caller's thread
+                inner = self._registered(spec, tenant, parent)
+            else:
+                inner = self._submit(spec, tenant, parent)
+        except Exception as exc:  # after `shutdown` too: the dispatcher takes no more tasks
+            inner = failed(_grammar_error(exc, spec.kind))
         return _ended(inner, span)
 
-    def _registered(self, spec: StructuredOutput, tenant: str) -> _Resolved:
-        # Runs on a pool thread: loads inline rather than queueing a second task on the same pool
-        # and waiting for it (a full pool of such waits would deadlock).
+    def release(self, future: Future[CompiledGrammar]) -> None:
+        """The caller stops waiting (its request left): the same as cancelling the future."""
+        future.cancel()
+
+    def _submit(self, spec: StructuredOutput, tenant: str, parent: Any) -> Future[_Resolved]:
         gspec, scope = self._spec(spec, tenant)
         key = self.service.key(gspec, scope)
         hit = self._l1(key)
-        found = _Resolved(hit, "l1") if hit is not None else self._load(gspec, tenant, scope, key)
-        return _Resolved(self._judge(found.compiled, spec), found.level)
+        if hit is not None:
+            return done(_Resolved(self._judge(hit, spec), "l1"))
+        return then(self._join(gspec, tenant, scope, key, parent), lambda r: self._judged(r, spec))
 
-    def _submit(self, spec: StructuredOutput, tenant: str, parent: Any) -> Future[_Resolved]:
-        try:
-            gspec, scope = self._spec(spec, tenant)
-            key = self.service.key(gspec, scope)
-            hit = self._l1(key)
-            if hit is not None:
-                return _done(_Resolved(self._judge(hit, spec), "l1"))
-        except GrammarError as exc:
-            return _failed(exc)
-        with self._lock:
-            fut = self._loading.get(key)
-            if fut is None:
-                fut = self._pool.submit(_within, parent, self._load, gspec, tenant, scope, key)
-                self._loading[key] = fut = _guarded(fut, gspec.kind)
+    def _registered(self, so: StructuredOutput, tenant: str, parent: Any) -> Future[_Resolved]:
         out: Future[_Resolved] = Future()
+        joined: list[Future[_Resolved]] = []
 
-        def finish(done: Future[_Resolved]) -> None:
-            with self._lock:
-                self._loading.pop(key, None)
+        def look() -> None:
             try:
-                found = done.result()
-                out.set_result(_Resolved(self._judge(found.compiled, spec), found.level))
-            except BaseException as exc:
-                out.set_exception(exc)
+                gspec, scope = self._spec(so, tenant)
+                key = self.service.key(gspec, scope)
+                hit = self._l1(key)
+                found = (
+                    done(_Resolved(hit, "l1"))
+                    if hit is not None
+                    else self._join(gspec, tenant, scope, key, parent)
+                )
+            except Exception as exc:
+                settle(out, exc=_grammar_error(exc, so.kind))
+                return
+            joined.append(found)
+            pipe(found, out, lambda r: self._judged(r, so))
+            if out.cancelled():  # cancelled while it looked the spec up
+                found.cancel()
 
-        fut.add_done_callback(finish)
+        call = _Call(tenant, lambda: _within(parent, look), out)
+
+        def left(f: Future[_Resolved]) -> None:
+            if f.cancelled() and not self.dispatcher.cancel(call):
+                for found in joined:
+                    found.cancel()
+
+        out.add_done_callback(left)
+        self.dispatcher.submit(call)
         return out
+
+    def _join(
+        self, spec: GrammarSpec, tenant: str, scope: str, key: str, parent: Any
+    ) -> Future[_Resolved]:
+        """A future of the key's load (started when none is under way); cancelling it leaves."""
+        with self._lock:
+            load = self._loading.get(key)
+            if load is None:
+                load = _Load(self, spec, tenant, scope, key, parent)
+                self.dispatcher.submit(load)
+                self._loading[key] = load
+            load.waiters += 1
+        mine: Future[_Resolved] = Future()
+        pipe(load.future, mine)
+        mine.add_done_callback(lambda f: self._leave(load) if f.cancelled() else None)
+        return mine
+
+    def _leave(self, load: _Load) -> None:
+        with self._lock:
+            load.waiters -= 1
+            if load.waiters or not self.dispatcher.cancel(load):
+                return  # others wait, or it is running: what it compiles gets cached
+            self._forget(load)
+        load.future.cancel()
+
+    def _forget(self, load: _Load) -> None:
+        if self._loading.get(load.key) is load:
+            del self._loading[load.key]
+
+    def _attempt(self, load: _Load) -> float | None:
+        """One try at the load's verdict on a dispatcher thread: the seconds to wait before the
+        next try when the service is busy, else None (the load is answered)."""
+        with self._lock:
+            gone = not load.waiters  # everyone left while it was parked: never ask again
+            if gone:
+                self._forget(load)
+        if gone:
+            load.future.cancel()
+            return None
+        try:
+            verdict = self.service.verdict(load.spec, load.tenant, load.scope)
+            if verdict.reason == "busy" and time.monotonic() + load.pause <= load.deadline:
+                pause, load.pause = load.pause, min(load.pause * 2, BUSY_PAUSE_S[1])
+                return pause
+            if verdict.source == "compiled":  # a worker came free: parked loads try now
+                self.dispatcher.wake()
+            found = self._loaded(load, verdict)
+        except Exception as exc:
+            self._answer(load, exc=_grammar_error(exc, load.spec.kind))
+        else:
+            self._answer(load, found)
+        return None
+
+    def _answer(
+        self, load: _Load, found: _Resolved | None = None, exc: BaseException | None = None
+    ) -> None:
+        with self._lock:
+            self._forget(load)
+        settle(load.future, found, exc)
 
     def _l1(self, key: str) -> CompiledGrammar | None:
         hit: CompiledGrammar | None = self.l1.get(key)
@@ -158,15 +275,20 @@ class ServiceGrammarProvider:
             raise fidelity_error(compiled.warnings)
         return compiled
 
-    def _load(self, spec: GrammarSpec, tenant: str, scope: str, key: str) -> _Resolved:
-        verdict = self._verdict_when_free(spec, tenant, scope)
+    def _judged(self, found: _Resolved, so: StructuredOutput) -> _Resolved:
+        return _Resolved(self._judge(found.compiled, so), found.level)
+
+    def _loaded(self, load: _Load, verdict: Verdict) -> _Resolved:
+        """The compiled grammar the verdict allows (a `busy` one that outlasted `busy_wait_s`
+        is a refusal like the others)."""
+        spec, key = load.spec, load.key
         level = verdict.source or "compiled"
         trace.get_current_span().set_attribute(spans.CACHE_LEVEL, level)
         raise_for(verdict, spec.kind)
         handle = self._from_blob(verdict, key)
         if handle is None and verdict.blob is not None:
             # Unreadable (another tokenizer or serialization version, corrupt): replace it.
-            verdict = self.service.verdict(spec, tenant, scope, fresh=True)
+            verdict = self.service.verdict(spec, load.tenant, load.scope, fresh=True)
             raise_for(verdict, spec.kind)
             handle = self._from_blob(verdict, key)
         if handle is None:
@@ -179,18 +301,6 @@ class ServiceGrammarProvider:
         compiled = CompiledGrammar(handle, list(verdict.warnings), schema)
         self.l1.put(key, compiled, int(handle.memory_size_bytes))
         return _Resolved(compiled, level)
-
-    def _verdict_when_free(self, spec: GrammarSpec, tenant: str, scope: str) -> Verdict:
-        """A `busy` verdict means "not yet" to an engine: its request keeps waiting in the queue
-        (as for any compile) and asks again, for up to `busy_wait_s`."""
-        end = time.monotonic() + self.busy_wait_s
-        pause = 0.05
-        while True:
-            verdict = self.service.verdict(spec, tenant, scope)
-            if verdict.reason != "busy" or time.monotonic() + pause > end:
-                return verdict
-            time.sleep(pause)
-            pause = min(pause * 2, 1.0)
 
     def _from_blob(self, verdict: Verdict, key: str) -> Any | None:
         if verdict.blob is None:
@@ -211,7 +321,7 @@ class ServiceGrammarProvider:
                 self.l1.pop(self.service.key(to_spec(spec), "shared"))
             except (GrammarError, ValueError):
                 return  # it never compiled, so nothing holds it
-        self._pool.submit(self._downgrade, spec, tenant, error)
+        self.dispatcher.submit(_Call(tenant, lambda: self._downgrade(spec, tenant, error)))
 
     def _downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
         try:
@@ -223,7 +333,9 @@ class ServiceGrammarProvider:
             log.warning("grammar cache: downgrading a verdict failed", exc_info=True)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        gone = GrammarError("structured: the grammar provider shut down", "unavailable", 503)
+        for task in self.dispatcher.close():
+            task.fail(gone)
         if self._owns_service:
             self.service.close()
 
@@ -245,58 +357,32 @@ def _within(parent: Any, fn: Callable[..., T], *args: Any) -> T:
         otel_context.detach(token)
 
 
+def _grammar_error(exc: Exception, kind: str) -> GrammarError:
+    if isinstance(exc, GrammarError):
+        return exc
+    return GrammarError(f"structured.{kind}: {exc!r}"[:300], reason="invalid")
+
+
 def _ended(inner: Future[_Resolved], span: Span) -> Future[CompiledGrammar]:
     """The compiled grammar of `inner`; ends the resolve span with its level and outcome."""
-    out: Future[CompiledGrammar] = Future()
 
-    def done(f: Future[_Resolved]) -> None:
-        exc = f.exception()
+    def end_span(f: Future[_Resolved]) -> None:
         try:
-            if exc is None:
+            if f.cancelled():
+                span.set_attribute(spans.GRAMMAR_OUTCOME, "cancelled")
+            elif f.exception() is None:
                 span.set_attribute(spans.CACHE_LEVEL, f.result().level)
                 span.set_attribute(spans.GRAMMAR_OUTCOME, "ok")
             else:
+                exc = f.exception()
                 span.set_attribute(spans.GRAMMAR_OUTCOME, getattr(exc, "reason", "error"))
                 span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
             span.end()
         except Exception:  # telemetry never fails a grammar
             log.debug("grammar span failed", exc_info=True)
-        if exc is None:
-            out.set_result(f.result().compiled)
-        else:
-            out.set_exception(exc)
 
-    inner.add_done_callback(done)
-    return out
-
-
-def _guarded(fut: Future[T], kind: str) -> Future[T]:
-    """`fut`, with any failure that is not a `GrammarError` turned into one."""
-    out: Future[T] = Future()
-
-    def done(f: Future[T]) -> None:
-        exc = f.exception()
-        if exc is None:
-            out.set_result(f.result())
-        elif isinstance(exc, GrammarError):
-            out.set_exception(exc)
-        else:
-            out.set_exception(GrammarError(f"structured.{kind}: {exc!r}"[:300], reason="invalid"))
-
-    fut.add_done_callback(done)
-    return out
-
-
-def _done(value: T) -> Future[T]:
-    fut: Future[T] = Future()
-    fut.set_result(value)
-    return fut
-
-
-def _failed(exc: BaseException) -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_exception(exc)
-    return fut
+    inner.add_done_callback(end_span)  # first: the span has ended when the caller hears
+    return then(inner, lambda r: r.compiled)
 
 
 def build_provider(
@@ -312,5 +398,7 @@ def build_provider(
 
         client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
     cfg = (config or CompilerConfig()).model_copy(update={"workers": workers})
+    if client is not None and cfg.verdict_secret is None:
+        cfg = cfg.model_copy(update={"verdict_secret": settings.verdict_secret()})
     service = CompileService(backend.tokenizer_info, cfg, redis=client)
     return ServiceGrammarProvider(backend, service, owns_service=True)

@@ -18,7 +18,7 @@ from importlib.metadata import version
 from typing import Any
 
 import xgrammar as xgr
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from grammar_registry.cache import LRUBytes, RedisVerdicts, Verdict
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
@@ -72,6 +72,9 @@ class CompilerConfig(BaseModel):
     redis_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
     failure_ttl_s: int = Field(default=600, ge=1)
     max_entry_bytes: int = Field(default=64 << 20, ge=1)
+    # keys the Redis entries' HMAC (the chart generates it); required with Redis, the same in
+    # every process sharing it. A JSON dump shows "**********", never the secret.
+    verdict_secret: SecretStr | None = Field(default=None, min_length=16)
     recent_verdict_bytes: int = Field(default=256 << 20, ge=0)
     limits: GrammarLimits = GrammarLimits()
     caps: RegistrationCaps = RegistrationCaps()
@@ -109,8 +112,13 @@ class CompileService:
         # Recent verdicts in this process: serves without Redis, and saves a round trip with it.
         self.recent = LRUBytes(config.recent_verdict_bytes)
         self._pool = pool
+        secret = config.verdict_secret
         self.verdicts = RedisVerdicts(
-            redis, config.redis_ttl_s, config.failure_ttl_s, config.max_entry_bytes
+            redis,
+            config.redis_ttl_s,
+            config.failure_ttl_s,
+            config.max_entry_bytes,
+            secret=secret.get_secret_value().encode() if secret else None,
         )
         self.registrations = RegistrationStore(redis, config.caps)
         self._lock = threading.Lock()
@@ -168,7 +176,7 @@ class CompileService:
             shared = running.result()
             return shared if shared.reason in _NOT_CACHED else _answered(shared, "compiled")
         try:
-            verdict = self._compile(spec)
+            verdict = self._compile(spec, tenant)
             if verdict.reason not in _NOT_CACHED:
                 where = mine if verdict.reason in _LOAD_DEPENDENT else key
                 self.verdicts.put(where, verdict)
@@ -200,11 +208,20 @@ class CompileService:
         cfg = self.config
         if len(self._inflight) >= cfg.max_inflight:
             return f"{cfg.max_inflight} grammars are compiling; try later"
-        if self._per_tenant.get(tenant, 0) >= cfg.max_inflight_per_tenant:
-            return f"the tenant has {cfg.max_inflight_per_tenant} grammars compiling; try later"
+        # A worker restart the tenant's compile caused (past the deadline, or a crash) counts as
+        # one of its compiles until the replacement is up: the tenant pays for it, not the others.
+        restarts = self._pool.restarting(tenant) if self._pool is not None else 0
+        cap = cfg.max_inflight_per_tenant
+        if self._per_tenant.get(tenant, 0) + restarts >= cap:
+            if restarts:
+                return (
+                    f"the tenant has {cap} grammars compiling, counting {restarts} compile "
+                    "workers restarting after its compiles ran out of time or crashed; try later"
+                )
+            return f"the tenant has {cap} grammars compiling; try later"
         return ""
 
-    def _compile(self, spec: GrammarSpec) -> Verdict:
+    def _compile(self, spec: GrammarSpec, tenant: str) -> Verdict:
         cfg = self.config
         self.compiles += 1
         job = {
@@ -214,7 +231,7 @@ class CompileService:
             "seed": 0,
         }
         start = time.perf_counter()
-        out = self.pool.run(job, cfg.deadline_s, cfg.queue_wait_s)
+        out = self.pool.run(job, cfg.deadline_s, cfg.queue_wait_s, tenant)
         if out.get("reason") not in ("busy", "unavailable"):  # then no compile ran
             seconds = out.get("compile_s") or time.perf_counter() - start
             outcome = "ok" if out["ok"] else out["reason"]

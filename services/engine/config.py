@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services import settings
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,7 +32,8 @@ class EngineConfig:
     grammar_workers: int = 1
     grammar_redis_url: str | None = None  # the shared verdict cache; None: in-process only
     # KV host tier: pages of host memory that `quest` requests with offload=True park into;
-    # 0: no tier (offload is refused). `kv_tier_tenant_pages` caps each tenant's share.
+    # 0: no tier (offload is refused). `kv_tier_tenant_pages` caps each tenant's share; None:
+    # half the tier, so no one tenant can fill it.
     kv_tier_pages: int = 0
     kv_tier_tenant_pages: int | None = None
     # Containment (services/engine/boundary.py). A request whose masks slower than
@@ -62,9 +65,19 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars: must be >= 1")
+        if self.grammar_redis_url and self.grammar_workers and not settings.verdict_secret():
+            raise ValueError(
+                "grammar_redis_url: verdicts in Redis are signed; set STRUCTSERVE_VERDICT_SECRET "
+                "(the same in every process sharing that Redis)"
+            )
         for tenant, weight in (self.tenant_weights or {}).items():
             if not weight > 0:
                 raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
+
+    def tier_tenant_cap(self) -> int:
+        if self.kv_tier_tenant_pages is not None:
+            return self.kv_tier_tenant_pages
+        return max(1, self.kv_tier_pages // 2)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -82,7 +82,7 @@ class LLMEngine:
                 kv.layout,
                 config.kv_tier_pages,
                 kv.device,
-                default_tenant_cap=config.kv_tier_tenant_pages,
+                default_tenant_cap=config.tier_tenant_cap(),
             )
             self.offload = OffloadManager(kv, self.kv_tier, self.scheduler)
             self.scheduler.on_release = self.offload.release

@@ -46,8 +46,9 @@ class Families:
         self.throttled = m.create_counter(
             "structserve.throttled_requests",
             unit="{request}",
-            description="429 answers by reason: rate, concurrency (tenant limits), replica_busy "
-            "(a deployment queue is full), grammar_busy (compile capacity).",
+            description="429 answers by reason (the error's code; deployments/answers.py "
+            "REASONS_429): rate, concurrency, tokens (tenant limits), replica_busy, grammar_busy, "
+            "kv_tier_full, registrations_cap.",
         )
         # -- engine (replicas)
         self.ttft = m.create_histogram(

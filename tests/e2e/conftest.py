@@ -10,8 +10,11 @@ from e2e_support import (
     KEY_A,
     KEY_B,
     KEY_FUZZ,
+    KEY_GREEDY,
     KEY_ONE,
     KEY_SLOW,
+    KEY_STEADY,
+    METRICS_TOKEN,
     OtlpReceiver,
     free_port,
     redis_url,
@@ -19,7 +22,13 @@ from e2e_support import (
     wait_healthy,
 )
 
-from deployments.config import GrammarServiceConfig, TelemetryConfig, TenantConfig, TenantLimits
+from deployments.config import (
+    GrammarServiceConfig,
+    IngressConfig,
+    TelemetryConfig,
+    TenantConfig,
+    TenantLimits,
+)
 from deployments.tenants import digest
 
 
@@ -30,6 +39,7 @@ def proxy():
     from ray import serve
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["STRUCTSERVE_METRICS_TOKEN"] = METRICS_TOKEN  # the replicas inherit it
     ray.init(
         include_dashboard=False,
         num_cpus=2,
@@ -54,8 +64,9 @@ def otlp():
 
 @pytest.fixture(scope="session")
 def server(proxy, otlp):
-    """The main application: two grammar-service replicas (so `/metrics` must add up several),
-    spans exported to the `otlp` receiver."""
+    """The main application: two ingress replicas (tenant limits must hold for the service) and
+    two grammar-service replicas (so `/metrics` must add up several), spans exported to the
+    `otlp` receiver."""
     import redis
 
     from deployments.app import build_app
@@ -64,7 +75,9 @@ def server(proxy, otlp):
     redis.Redis.from_url(redis_url(11)).flushdb()
     cfg = small_config(
         redis_url=redis_url(11),
-        grammar=GrammarServiceConfig(workers=1, deadline_s=5.0, num_replicas=2),
+        ingress=IngressConfig(num_replicas=2, body_timeout_s=3.0),
+        # two workers each: one is kept for tenants with no compile running
+        grammar=GrammarServiceConfig(workers=2, deadline_s=5.0, num_replicas=2),
         telemetry=TelemetryConfig(otlp_endpoint=otlp.url, export_interval_s=1.0),
         tenants=[
             TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)]),
@@ -84,6 +97,12 @@ def server(proxy, otlp):
                 api_key_sha256=[digest(KEY_FUZZ)],
                 limits=TenantLimits(requests_per_minute=100_000, max_concurrent=4, max_tokens=8),
             ),
+            TenantConfig(
+                name="tenant-greedy",
+                api_key_sha256=[digest(KEY_GREEDY)],
+                limits=TenantLimits(requests_per_minute=100_000, max_concurrent=32, max_tokens=16),
+            ),
+            TenantConfig(name="tenant-steady", api_key_sha256=[digest(KEY_STEADY)]),
         ],
     )
     serve.run(build_app(cfg), name="structserve", route_prefix="/", blocking=False)

@@ -14,6 +14,8 @@ from deployments.config import GrammarServiceConfig, LLMConfig, ServiceConfig
 KEY_A, KEY_B, KEY_SLOW = "sk-test-tenant-a", "sk-test-tenant-b", "sk-test-limited"
 KEY_ONE = "sk-test-one-at-a-time"
 KEY_FUZZ = "sk-test-fuzz"  # the HTTP fuzz: few tokens a request, never throttled by rate
+KEY_GREEDY, KEY_STEADY = "sk-test-greedy", "sk-test-steady"  # the multi-tenant load test
+METRICS_TOKEN = "metrics-test-token"  # /metrics answers only this bearer
 
 
 def free_port() -> int:
@@ -36,8 +38,11 @@ def small_config(**overrides) -> ServiceConfig:
     base = {
         "llm": LLMConfig(
             engine={"kv_cache_memory": 128 << 20, "max_num_seqs": 16, "kv_tier_pages": 64},
-            max_ongoing_requests=8,
-            max_queued_requests=4,
+            # above every tenant's concurrency: the engine's fair queue decides who waits, not
+            # the handle's arrival order; the handle counts a burst (n=16) as queued while it
+            # assigns it
+            max_ongoing_requests=64,
+            max_queued_requests=64,
         ),
         "grammar": GrammarServiceConfig(workers=1, deadline_s=5.0),
     }

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from e2e_support import KEY_A, KEY_B, KEY_SLOW
+from e2e_support import KEY_A, KEY_B, KEY_SLOW, METRICS_TOKEN
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -40,7 +40,8 @@ def json_schema(field: str) -> dict:
 
 def scrape(server: str) -> dict[str, list]:
     """`/metrics` parsed: family name → samples (name, labels, value)."""
-    r = requests.get(f"{server}/metrics", timeout=30)
+    auth = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    r = requests.get(f"{server}/metrics", headers=auth, timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {f.name: f.samples for f in text_string_to_metric_families(r.text)}
 
@@ -69,7 +70,7 @@ def test_metrics_are_prometheus_text_summed_over_every_replica(server):
         if (sources.get("GrammarService") == 2 and ready) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert sources == {"Ingress": 1, "LLMReplica": 1, "GrammarService": 2}
+    assert sources == {"Ingress": 2, "LLMReplica": 1, "GrammarService": 2}
     ok = {"route": "chat", "tenant": "tenant-b", "status": "200"}
     assert total(fam, "structserve_requests_total", **ok) >= 2
     assert total(fam, "structserve_throttled_requests_total", reason="rate") >= 1

@@ -180,11 +180,11 @@ def test_lint_strict(values: str) -> None:
 
 def test_default_render_has_the_core_objects() -> None:
     kinds = Counter(d["kind"] for d in rendered("default"))
-    # Secrets: the API keys file, the generated default key, the Redis password
+    # Secrets: the API keys file, the generated default key, the Redis password, the internal one
     assert kinds == Counter(
         RayService=1,
         ConfigMap=1,
-        Secret=3,
+        Secret=4,
         StatefulSet=1,
         Service=2,  # Redis: ClusterIP, headless
     )
@@ -245,6 +245,20 @@ def test_service_monitor_scrapes_the_serve_service() -> None:
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in serve_service["spec"]["ports"]}
+    internal = one(docs, "Secret", "-internal")
+    assert set(internal["data"]) == {"verdict-secret", "metrics-token"}
+    token = {"name": internal["metadata"]["name"], "key": "metrics-token"}
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": token}
+    env = _worker_env(docs)
+    assert env["STRUCTSERVE_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == token
+    signing = env["STRUCTSERVE_VERDICT_SECRET"]["valueFrom"]["secretKeyRef"]
+    assert signing == {**token, "key": "verdict-secret"}
+
+
+def test_metrics_token_can_be_turned_off() -> None:
+    docs = _render_with({"internalSecrets.requireMetricsToken": False})
+    assert "STRUCTSERVE_METRICS_TOKEN" not in _worker_env(docs)
+    assert "STRUCTSERVE_VERDICT_SECRET" in _worker_env(docs)  # verdicts are always signed
 
 
 # ---------------------------------------------------------------- values.schema.json

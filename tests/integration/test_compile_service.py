@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DB = 13
 MASKBENCH = ROOT.parent / "shared" / "data" / "maskbench"
 DEADLINE_S = 1.5
+SECRET = "compile-service-test-verdict-secret"  # what the chart generates in the service
 
 
 def redis_url(db: int = DB) -> str:
@@ -63,7 +64,9 @@ def backend(llm) -> XGrammarBackend:
 @pytest.fixture(scope="module")
 def service(backend, rclient):
     svc = CompileService(
-        backend.tokenizer_info, CompilerConfig(workers=2, deadline_s=DEADLINE_S), redis=rclient
+        backend.tokenizer_info,
+        CompilerConfig(workers=2, deadline_s=DEADLINE_S, verdict_secret=SECRET),
+        redis=rclient,
     )
     assert svc.pool.wait_ready()
     yield svc
@@ -114,11 +117,15 @@ def test_cached_and_fresh_grammars_decode_the_same_tokens(llm, provider, service
 SECOND_PROCESS = """
 import json, sys
 from services import LLM, SamplingParams, StructuredOutput
+from services.compiler import CompilerConfig, build_provider
 from services.models import load_model
 
 def main():
-    llm = LLM(loaded=load_model(), kv_cache_memory=64 << 20, grammar_workers=1,
-              grammar_redis_url=sys.argv[1])
+    llm = LLM(loaded=load_model(), kv_cache_memory=64 << 20, grammar_workers=1)
+    # a Redis verdict cache needs the secret every process sharing it holds
+    config = CompilerConfig(verdict_secret=sys.argv[3])
+    grammars = llm.engine.grammars
+    grammars.use_provider(build_provider(grammars.backend, 1, sys.argv[1], config))
     params = SamplingParams(max_tokens=40, temperature=0,
                             structured=StructuredOutput(json_schema=json.loads(sys.argv[2])))
     out = llm.generate("Give a person as JSON.", params)[0]
@@ -137,7 +144,7 @@ def _second_process(tmp_path: Path, schema: dict) -> dict:
     script.write_text(SECOND_PROCESS)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(script), redis_url(), json.dumps(schema)],
+        [sys.executable, str(script), redis_url(), json.dumps(schema), SECRET],
         capture_output=True,
         text=True,
         timeout=300,
@@ -166,7 +173,7 @@ def test_an_unloadable_blob_is_ignored_and_replaced(backend, service, provider, 
     other = xgr.TokenizerInfo([chr(i) for i in range(32, 127)])
     spec = GrammarSpec(kind="regex", source="[a-z]{2,6}-[0-9]{3}")
     foreign = xgr.GrammarCompiler(other).compile_regex(spec.source).serialize_json()
-    store = RedisVerdicts(rclient)
+    store = RedisVerdicts(rclient, secret=SECRET.encode())
     for blob in (zlib.compress(foreign.encode()), b"not zlib at all"):
         key = service.key(spec)
         store.put(key, Verdict(ok=True, blob=blob, blob_bytes=len(blob)))

@@ -355,7 +355,7 @@ def test_broken_telemetry_never_fails_a_request_and_metrics_still_answer(stack, 
         out = chat(stack, KEY_A, "Invent a tree.", **structured("tree"))
         assert out["choices"][0]["message"]["content"]
         # no hub here: /metrics answers with this replica's own metrics
-        page = asyncio.run(stack.ingress.metrics())
+        page = asyncio.run(stack.ingress.metrics(SimpleNamespace(headers={})))
     finally:
         telemetry.install(previous)
         broken.shutdown()

@@ -155,6 +155,7 @@ def test_tenant_cap_and_capacity_raise_with_the_numbers():
         store.allocate(("c", "x"), 1)
     e = err.value
     assert (e.tenant, e.asked, e.held, e.cap, e.scope) == ("c", 1, 6, 6, "capacity")
+    assert "6" not in str(e)  # another tenant's refusal does not reveal what the others hold
     assert not store.can_allocate("c", 1)
     store.release(B1)
     assert store.can_allocate("c", 4) and store.can_allocate("a", 1)

@@ -24,6 +24,7 @@ from grammar_registry import (
 )
 
 KEY_ARGS = {"backend_version": "x-0.2.9", "serialization": "v18", "tokenizer": "ab" * 32}
+SECRET = b"registry-test-verdict-secret"
 
 
 def schema(source: dict) -> GrammarSpec:
@@ -160,7 +161,7 @@ def test_lru_is_bounded_in_bytes():
 
 def test_redis_verdicts_ttl_and_failure_ttl():
     r = fakeredis.FakeRedis()
-    store = RedisVerdicts(r, ttl_s=1000, failure_ttl_s=10)
+    store = RedisVerdicts(r, ttl_s=1000, failure_ttl_s=10, secret=SECRET)
     store.put("ok", Verdict(ok=True))
     store.put("bad", Verdict(ok=False, reason="invalid", error="x"))
     assert 990 < r.ttl("ok") <= 1000
@@ -170,7 +171,7 @@ def test_redis_verdicts_ttl_and_failure_ttl():
 
 def test_redis_verdicts_drop_an_oversized_blob_but_keep_the_verdict():
     r = fakeredis.FakeRedis()
-    store = RedisVerdicts(r, max_entry_bytes=1000)
+    store = RedisVerdicts(r, max_entry_bytes=1000, secret=SECRET)
     store.put("k", Verdict(ok=True, blob=b"x" * 5000, blob_bytes=5000))
     got = store.get("k")
     assert got is not None and got.ok and got.blob is None
@@ -179,16 +180,16 @@ def test_redis_verdicts_drop_an_oversized_blob_but_keep_the_verdict():
 def test_unreadable_entries_and_redis_errors_are_misses():
     r = fakeredis.FakeRedis()
     r.set("k", b"garbage")
-    store = RedisVerdicts(r)
+    store = RedisVerdicts(r, secret=SECRET)
     assert store.get("k") is None
 
     class Broken:
         def get(self, *_a, **_k):
             raise ConnectionError("redis is down")
 
-        set = get
+        set = getrange = get
 
-    down = RedisVerdicts(Broken(), backoff_s=60)
+    down = RedisVerdicts(Broken(), backoff_s=60, secret=SECRET)
     assert down.get("k") is None
     assert down.put("k", Verdict(ok=True)) is False
     assert down.errors == 1  # the second call did not even try: backing off

@@ -53,6 +53,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default (printf "%s-api-keys" (include "structserve.fullname" .)) .Values.apiKeys.existingSecret -}}
 {{- end -}}
 
+{{- define "structserve.internalSecretName" -}}
+{{- default (printf "%s-internal" (include "structserve.fullname" .)) .Values.internalSecrets.existingSecret -}}
+{{- end -}}
+
 {{- define "structserve.defaultKeySecretName" -}}
 {{- printf "%s-default-api-key" (include "structserve.fullname" .) -}}
 {{- end -}}
@@ -142,6 +146,20 @@ and every worker group. */}}
   value: disabled
 {{- end }}
 {{- include "structserve.redisEnv" . }}
+# signs compile verdicts in Redis; every replica must share it
+- name: STRUCTSERVE_VERDICT_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "structserve.internalSecretName" . }}
+      key: verdict-secret
+{{- if .Values.internalSecrets.requireMetricsToken }}
+# /metrics answers only this bearer token
+- name: STRUCTSERVE_METRICS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "structserve.internalSecretName" . }}
+      key: metrics-token
+{{- end }}
 {{- with .Values.ray.extraEnv }}
 {{ toYaml . }}
 {{- end }}

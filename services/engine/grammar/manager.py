@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -36,6 +36,15 @@ class Failure(NamedTuple):
     request: Request
     reason: str
     status: int  # what an HTTP client gets
+
+
+@runtime_checkable
+class _Releasing(Protocol):
+    """A provider whose futures are each caller's own (the compile service's): releasing one
+    stops the wait, and a compile nobody waits for any more is dropped. A provider that hands
+    one shared future to every caller (the local one) must never see it cancelled."""
+
+    def release(self, future: Future[Any]) -> None: ...
 
 
 def _no_check(stage: str, req: Request) -> None:
@@ -141,7 +150,10 @@ class GrammarManager:
         failed, still = [], []
         for req in self._pending:
             fut = req.grammar_future
-            if req.finished or fut is None:
+            if fut is None:
+                continue
+            if req.finished:
+                self._release(req)
                 continue
             if not fut.done():
                 still.append(req)
@@ -158,6 +170,12 @@ class GrammarManager:
             req.warnings.extend(req.compiled.warnings)
         self._pending = still
         return failed
+
+    def _release(self, req: Request) -> None:
+        """The request left (aborted, or failed elsewhere) before its grammar came."""
+        fut, provider = req.grammar_future, self._provider
+        if fut is not None and not fut.done() and isinstance(provider, _Releasing):
+            provider.release(fut)
 
     def wait(self, timeout: float, validating: list[Request]) -> None:
         """Blocks briefly when the only work left is grammars being compiled or outputs being
@@ -296,7 +314,9 @@ class GrammarManager:
 
     def start_validation(self, req: Request) -> bool:
         """Starts validating a finished JSON output off the engine thread; False when there is
-        nothing to validate."""
+        nothing to validate. Every request passes here as it finishes: one still waiting for
+        its grammar stops waiting (an idle engine may not step again to notice)."""
+        self._release(req)
         if (
             req.compiled is None
             or req.compiled.schema is None
