@@ -25,6 +25,8 @@ from typing import Any
 from deployments.config import ServiceConfig
 from services import settings
 
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+
 
 def load_config(path: str | None) -> dict[str, Any]:
     if not path:
@@ -113,10 +115,7 @@ def keys_command(args: argparse.Namespace) -> int:
 
     from deployments.tenants import add_key, list_keys, revoke_key
 
-    url = args.redis_url or settings.redis_url()
-    if not url:
-        print("structserve keys: give --redis-url or set REDIS_URL", file=sys.stderr)
-        return 2
+    url = args.redis_url or settings.redis_url() or LOCAL_REDIS  # `make serve`'s default
     client = redis.Redis.from_url(url, socket_timeout=5.0)
     if args.action == "add":
         key = args.key or "sk-" + secrets.token_urlsafe(24)
@@ -149,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--config", help="a ServiceConfig as JSON or YAML")
     s.add_argument("--verbose", action="store_true", help="show Ray's logs")
     k = sub.add_parser("keys", help="add, revoke or list API keys kept in Redis")
-    k.add_argument("--redis-url", help="the service's Redis (default: REDIS_URL)")
+    where = f"the service's Redis (default: REDIS_URL, else {LOCAL_REDIS})"
+    k.add_argument("--redis-url", help=where)
     ks = k.add_subparsers(dest="action", required=True)
     add = ks.add_parser("add", help="a new key for TENANT (printed once; stored hashed)")
     add.add_argument("tenant")
