@@ -12,7 +12,8 @@ has slots, and their shares of the tokens made are set against 1/3 and 2/3.
 Patterns of A: n=16 floods; slow bodies (headers sent, the body never finished, up to A's
 concurrency); abort storms (streams dropped before and just after their first byte); slow
 grammars (fresh schemas that take long to compile); deadline grammars (schemas over the compile
-deadline, whose workers are killed and restarted). Writes `benchmarks/results/fair_http.json`.
+deadline, whose workers are killed and restarted); oversized grammars (fresh schemas over the
+static limits, ~100 KB each: refused at the ingress). Writes `benchmarks/results/fair_http.json`.
 
     .venv/bin/python benchmarks/fair_http.py [--seconds 30] [--patterns n16,slow_bodies,...]
 """
@@ -34,7 +35,14 @@ sys.path.insert(0, str(ROOT))
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"greedy": "sk-bench-greedy", "steady": "sk-bench-steady", "heavy": "sk-bench-heavy"}
-PATTERNS = ("n16", "slow_bodies", "abort_storm", "slow_grammars", "deadline_grammars")
+PATTERNS = (
+    "n16",
+    "slow_bodies",
+    "abort_storm",
+    "slow_grammars",
+    "deadline_grammars",
+    "oversized_grammars",
+)
 DEADLINE_S = 2.0  # the compile deadline of this deployment
 
 
@@ -71,6 +79,16 @@ def deadline_schema(tag: str) -> dict[str, Any]:
     ]
     names = ["p0", "p1", "p2"]
     return {"type": "object", "properties": {n: {"anyOf": one} for n in names}, "required": names}
+
+
+def oversized_schema(tag: str) -> dict[str, Any]:
+    """Over the static limits (160 branches of 24-field objects, ~100 KB): refused (400)."""
+    item = {
+        "type": "object",
+        "properties": {f"k{j}": {"type": ["string", "integer", "null"]} for j in range(24)},
+    }
+    props = {f"{tag}_{i}": {"anyOf": [item, {"type": "array", "items": item}]} for i in range(160)}
+    return {"type": "object", "properties": props, "anyOf": [{"required": [k]} for k in props]}
 
 
 class Steady:
@@ -140,8 +158,12 @@ async def greedy(pattern: str, session: Any, url: str, until: float, got: Counte
     elif pattern == "abort_storm":
         stream = {**base, "max_tokens": 512, "stream": True, "ignore_eos": True}
         await asyncio.gather(*(loop(lambda _: stream, hang_up=True) for _ in range(8)))
-    elif pattern in ("slow_grammars", "deadline_grammars"):
-        schema = slow_schema if pattern == "slow_grammars" else deadline_schema
+    elif pattern in ("slow_grammars", "deadline_grammars", "oversized_grammars"):
+        schema = {
+            "slow_grammars": slow_schema,
+            "deadline_grammars": deadline_schema,
+            "oversized_grammars": oversized_schema,
+        }[pattern]
         tag = f"a{int(until)}"
 
         def constrained(i: int) -> dict[str, Any]:

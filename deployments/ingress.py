@@ -44,7 +44,7 @@ from deployments.protocol import (
 from deployments.quota import Lease, LimitError
 from deployments.telemetry_hub import scraped, setup
 from deployments.tenants import AuthError, NeverFits, Tenants
-from deployments.translate import sampling_from, structured_from
+from deployments.translate import sampling_from, screen, structured_from
 from services import settings
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,9 @@ class Ingress:
     def _params(self, tenant: str, body: Any) -> Any:
         lim = self.tenants.limits_of(tenant)
         try:
-            return sampling_from(body, lim.max_tokens)
+            params = sampling_from(body, lim.max_tokens)
+            screen(params, self.config.grammar.limits)
+            return params
         except BadRequest as exc:
             raise ApiError(400, str(exc), exc.param) from exc
 

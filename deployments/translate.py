@@ -14,6 +14,9 @@ from typing import Any
 
 from deployments import tools
 from deployments.protocol import BadRequest
+from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
+from services.compiler.specs import to_spec
+from services.engine.grammar.backend import GrammarError
 from services.engine.params import KVPolicy, SamplingParams, StructuredOutput
 
 # alias field -> the StructuredOutput kind it means
@@ -185,4 +188,21 @@ def sampling_from(body: Any, max_tokens_cap: int) -> SamplingParams:
     except BadRequest:
         raise
     except ValueError as exc:
+        raise BadRequest(str(exc), str(exc).split(":")[0]) from exc
+
+
+def screen(params: SamplingParams, limits: GrammarLimits) -> None:
+    """Refuses an inline grammar over the static limits here, at the ingress, so the model
+    replica (whose process also runs the engine loop) never parses it. The compile service
+    checks again: this is an early answer, not the guard."""
+    so = params.structured
+    if so is None or so.grammar_id is not None:
+        return
+    try:
+        spec = to_spec(so)
+        check_limits(spec, limits)
+    except LimitExceeded as exc:
+        field = f"structured.{spec.kind}"
+        raise BadRequest(f"{field}: {exc}", field) from exc
+    except GrammarError as exc:
         raise BadRequest(str(exc), str(exc).split(":")[0]) from exc

@@ -54,6 +54,7 @@ class FairDispatcher:
         self._seq = itertools.count()
         self._started = False
         self._closed = False
+        self._gone: BaseException = RuntimeError("the dispatcher is closed")
 
     def submit(self, task: Task) -> None:
         with self._cond:
@@ -109,16 +110,18 @@ class FairDispatcher:
                 "parked": len(self._parked_tasks),
             }
 
-    def close(self) -> list[Task]:
-        """Stops taking tasks; returns those that will never run. Running ones finish."""
+    def close(self, gone: BaseException) -> None:
+        """Stops taking tasks: those that will never run fail with `gone` now, a running one
+        that would run again fails with it when it returns."""
         with self._cond:
-            self._closed = True
+            self._closed, self._gone = True, gone
             dropped = [t for q in self._ready.values() for t in q] + list(self._parked_tasks)
             self._ready.clear()
             self._parked.clear()
             self._parked_tasks.clear()
             self._cond.notify_all()
-        return dropped
+        for task in dropped:
+            task.fail(gone)
 
     # -- the threads --------------------------------------------------------------------------
 
@@ -138,11 +141,14 @@ class FairDispatcher:
                 self._running[task.tenant] -= 1
                 if not self._running[task.tenant]:
                     del self._running[task.tenant]
+                orphan = retry is not None and self._closed  # closed while it ran
                 if retry is not None and not self._closed:
                     due = time.monotonic() + max(0.0, retry)
                     heapq.heappush(self._parked, (due, next(self._seq), task))
                     self._parked_tasks.add(task)
                 self._cond.notify_all()  # a thread and maybe a tenant's turn came free
+            if orphan:
+                task.fail(self._gone)
 
     def _next(self) -> Task | None:
         """The next task to run on this thread (called with the lock held); None once closed."""

@@ -333,9 +333,9 @@ class ServiceGrammarProvider:
             log.warning("grammar cache: downgrading a verdict failed", exc_info=True)
 
     def shutdown(self) -> None:
-        gone = GrammarError("structured: the grammar provider shut down", "unavailable", 503)
-        for task in self.dispatcher.close():
-            task.fail(gone)
+        self.dispatcher.close(
+            GrammarError("structured: the grammar provider shut down", "unavailable", 503)
+        )
         if self._owns_service:
             self.service.close()
 

@@ -39,7 +39,10 @@ def proxy():
     from ray import serve
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ["STRUCTSERVE_METRICS_TOKEN"] = METRICS_TOKEN  # the replicas inherit it
+    # Ray's processes inherit the environment at ray.init; this process gets its own back after,
+    # so the tests that follow in it see no metrics token
+    before = os.environ.get("STRUCTSERVE_METRICS_TOKEN")
+    os.environ["STRUCTSERVE_METRICS_TOKEN"] = METRICS_TOKEN
     ray.init(
         include_dashboard=False,
         num_cpus=2,
@@ -47,6 +50,10 @@ def proxy():
         log_to_driver=False,
         configure_logging=False,
     )
+    if before is None:
+        del os.environ["STRUCTSERVE_METRICS_TOKEN"]
+    else:
+        os.environ["STRUCTSERVE_METRICS_TOKEN"] = before
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}", serve

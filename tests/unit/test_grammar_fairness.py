@@ -352,3 +352,31 @@ def test_a_tenant_whose_compiles_time_out_pays_for_the_restart(fake_workers, per
         assert pool.charged_s["A"] > 0 and "B" not in pool.charged_s
     finally:
         service.close()
+
+
+def test_a_load_busy_when_the_dispatcher_closes_is_answered_not_lost():
+    """The provider shuts down while a load is asking the service; the service says busy (the
+    load would be parked again): its waiter gets the shutdown error instead of waiting forever."""
+    from services.compiler.dispatch import FairDispatcher
+
+    asking, answered = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    class Busy:
+        tenant = "A"
+
+        def run(self) -> float | None:
+            asking.set()
+            answered.wait(5)
+            return 0.05  # busy: run me again later
+
+        def fail(self, exc: BaseException) -> None:
+            failed.append(exc)
+
+    dispatcher = FairDispatcher(threads=2, per_tenant=1)
+    dispatcher.submit(Busy())
+    assert asking.wait(5)
+    gone = RuntimeError("shut down")
+    dispatcher.close(gone)
+    answered.set()
+    assert until(lambda: failed == [gone])

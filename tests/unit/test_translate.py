@@ -14,6 +14,7 @@ from deployments.protocol import (
     template_options,
 )
 from deployments.translate import sampling_from
+from services.engine.params import SamplingParams, StructuredOutput
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -174,3 +175,21 @@ def test_the_outputs_that_finish_options_can_be_turned_off():
     so = {"json": SCHEMA, "bound_numbers": False, "max_repeat_run": None}
     off = params(structured_outputs=so).structured
     assert not off.bound_numbers and off.max_repeat_run is None
+
+
+def test_screen_refuses_a_grammar_over_the_limits_at_the_ingress() -> None:
+    from deployments.translate import screen
+    from grammar_registry.limits import GrammarLimits
+
+    deep: dict = {"type": "string"}
+    for _ in range(80):  # deeper than the nesting limit (64)
+        deep = {"type": "array", "items": deep}
+    limits = GrammarLimits()
+    with pytest.raises(BadRequest) as err:
+        screen(SamplingParams(structured=StructuredOutput(json_schema=deep)), limits)
+    assert err.value.param == "structured.json_schema" and "max_depth" in str(err.value)
+    with pytest.raises(BadRequest, match=r"structured\.regex"):
+        screen(SamplingParams(structured=StructuredOutput(regex="a" * 200_000)), limits)
+    screen(SamplingParams(structured=StructuredOutput(json_schema={"type": "integer"})), limits)
+    screen(SamplingParams(structured=StructuredOutput(grammar_id="gr_x")), limits)  # a lookup
+    screen(SamplingParams(), limits)
