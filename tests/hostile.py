@@ -31,6 +31,22 @@ QUESTION = "Is the sky blue? Answer briefly."
 ALMOST = "word " * 200  # 1000 characters a streamed text keeps nearly matching
 
 
+def slow_compile_schema(branches: int = 64, parts: int = 1, bound: int = 1000) -> dict[str, Any]:
+    """Within the static limits and slow to compile: about 2.5 s per 60 branches and part for
+    SmolLM2's vocabulary on 2 cores (3 parts of 60: ~7 s, past most compile deadlines)."""
+    words = {"type": "string", "pattern": "[a-z]{1," + str(bound) + "}"}
+    one = {
+        "anyOf": [
+            {"type": "object", "properties": {f"k{i}": words}, "required": [f"k{i}"]}
+            for i in range(branches)
+        ]
+    }
+    if parts == 1:
+        return one
+    names = [f"p{i}" for i in range(parts)]
+    return {"type": "object", "properties": {n: one for n in names}, "required": names}
+
+
 def _nested_arrays(depth: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "array"}
     for _ in range(depth - 1):

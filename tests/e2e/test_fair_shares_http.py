@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 import requests
 from e2e_support import KEY_GREEDY, KEY_ONE, KEY_STEADY, METRICS_TOKEN
+from hostile import slow_compile_schema
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -33,18 +34,6 @@ def completion(server: str, key: str, **body: Any) -> requests.Response:
 def small_schema(tag: str) -> dict[str, Any]:
     """A schema nobody sent before: its request needs a compile."""
     return {"type": "object", "properties": {tag: {"type": "integer"}}, "required": [tag]}
-
-
-def slow_schema(branches: int, parts: int = 1) -> dict[str, Any]:
-    """About 2.5 s of compile per 60 branches and part (SmolLM2's vocabulary, 2 cores)."""
-    words = {"type": "string", "pattern": "[a-z]{1,999}"}
-    one = [
-        {"type": "object", "properties": {f"k{i}": words}, "required": [f"k{i}"]}
-        for i in range(branches)
-    ]
-    names = [f"p{i}" for i in range(parts)]
-    properties = {name: {"anyOf": one} for name in names}
-    return {"type": "object", "properties": properties, "required": names}
 
 
 @contextmanager
@@ -167,7 +156,7 @@ def test_slow_and_deadline_grammars_hold_up_only_their_tenant(server: str) -> No
     tag = uuid.uuid4().hex[:6]
 
     def greedy(i: int) -> requests.Response:
-        schema = slow_schema(60 - i, parts=3) if i < 2 else slow_schema(30 - i)
+        schema = slow_compile_schema(60 - i, parts=3) if i < 2 else slow_compile_schema(30 - i)
         body = {"structured_outputs": {"json": schema}, "prompt": f"{tag} {i}:"}
         return completion(server, KEY_GREEDY, **body)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 import xgrammar as xgr
+from hostile import slow_compile_schema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -216,20 +217,6 @@ def test_killing_redis_changes_nothing_but_speed(backend, service, redis_server)
         proc.kill()
 
 
-def _anyof_heavy(branches: int = 64, bound: int = 1000) -> dict:
-    pattern = "[a-z]{1," + str(bound) + "}"
-    return {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {f"k{i}": {"type": "string", "pattern": pattern}},
-                "required": [f"k{i}"],
-            }
-            for i in range(branches)
-        ]
-    }
-
-
 def _deep(n: int) -> dict:
     node: dict = {"type": "string"}
     for _ in range(n):
@@ -264,7 +251,7 @@ PATHOLOGICAL = [
         ),
         "limit",
     ),
-    ("slow to compile", StructuredOutput(json_schema=_anyof_heavy()), "timeout"),
+    ("slow to compile", StructuredOutput(json_schema=slow_compile_schema()), "timeout"),
     ("slow masks", StructuredOutput(grammar='root ::= ([a-z] [0-9]?){0,900} "x"'), "slow_mask"),
 ]
 
@@ -288,7 +275,7 @@ def test_pathological_grammars_are_refused_in_time(name, so, reason, provider, s
 
 
 def test_load_dependent_refusals_are_not_shared_between_tenants(service):
-    spec = GrammarSpec(kind="json_schema", source=_anyof_heavy(63, 999))
+    spec = GrammarSpec(kind="json_schema", source=slow_compile_schema(63, bound=999))
     assert service.verdict(spec, "tenant-x").reason == "timeout"
     before = service.compiles
     assert service.verdict(spec, "tenant-x").reason == "timeout"  # remembered for x...

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import xgrammar as xgr
+from hostile import slow_compile_schema
 
 from grammar_registry import GrammarSpec
 from services import StructuredOutput
@@ -18,21 +19,6 @@ from services.engine.grammar import GrammarError
 from services.engine.grammar.xgrammar_backend import XGrammarBackend
 
 DEADLINE_S = 1.5
-
-
-def slow_schema(branches: int) -> dict:
-    """Seconds to compile for SmolLM2's vocabulary (2.4 s at 64 branches on 2 cores)."""
-    pattern = "[a-z]{1,1000}"
-    return {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {f"k{i}": {"type": "string", "pattern": pattern}},
-                "required": [f"k{i}"],
-            }
-            for i in range(branches)
-        ]
-    }
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +39,7 @@ def test_a_tenant_at_the_deadline_does_not_hold_up_another(backend, service):
     provider = ServiceGrammarProvider(backend, service)
     try:
         slow = [
-            provider.submit(StructuredOutput(json_schema=slow_schema(64 - i)), "tenant-a")
+            provider.submit(StructuredOutput(json_schema=slow_compile_schema(64 - i)), "tenant-a")
             for i in range(12)  # more than the provider's threads
         ]
         end = time.monotonic() + 5
@@ -76,7 +62,7 @@ def test_a_tenant_at_the_deadline_does_not_hold_up_another(backend, service):
 
 def test_the_restarts_a_tenant_causes_are_charged_to_it(service):
     assert service.pool.wait_ready(60)
-    slow = GrammarSpec(kind="json_schema", source=slow_schema(64))
+    slow = GrammarSpec(kind="json_schema", source=slow_compile_schema(64))
     assert service.verdict(slow, "tenant-c").reason == "timeout"
     assert service.pool.restarting("tenant-c") == 1  # a worker start takes seconds
     mine = GrammarSpec(kind="regex", source="[a-z]{3}-c")
