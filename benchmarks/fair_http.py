@@ -13,7 +13,8 @@ Patterns of A: n=16 floods; slow bodies (headers sent, the body never finished, 
 concurrency); abort storms (streams dropped before and just after their first byte); slow
 grammars (fresh schemas that take long to compile); deadline grammars (schemas over the compile
 deadline, whose workers are killed and restarted); oversized grammars (fresh schemas over the
-static limits, ~100 KB each: refused at the ingress). Writes `benchmarks/results/fair_http.json`.
+static limits, ~350 KB each: refused at the ingress). Writes `benchmarks/results/fair_http.json`
+(with B's p50 and p99 for its plain and its schema requests apart, `b_ttft_by_kind_s`).
 
     .venv/bin/python benchmarks/fair_http.py [--seconds 30] [--patterns n16,slow_bodies,...]
 """
@@ -82,7 +83,7 @@ def deadline_schema(tag: str) -> dict[str, Any]:
 
 
 def oversized_schema(tag: str) -> dict[str, Any]:
-    """Over the static limits (160 branches of 24-field objects, ~100 KB): refused (400)."""
+    """Over the static limits (160 branches of 24-field objects, ~350 KB): refused (400)."""
     item = {
         "type": "object",
         "properties": {f"k{j}": {"type": ["string", "integer", "null"]} for j in range(24)},
@@ -96,6 +97,7 @@ class Steady:
 
     def __init__(self) -> None:
         self.ttft: list[float] = []
+        self.kinds: dict[str, list[float]] = {"plain": [], "schema": []}
         self.statuses: Counter[int] = Counter()
         self.sent = 0
 
@@ -126,6 +128,7 @@ class Steady:
                         first = time.perf_counter() - start
                 if first is not None:
                     self.ttft.append(first)
+                    self.kinds["schema" if "structured_outputs" in body else "plain"].append(first)
 
 
 async def greedy(pattern: str, session: Any, url: str, until: float, got: Counter[Any]) -> None:
@@ -212,6 +215,7 @@ async def pattern_run(url: str, pattern: str | None, seconds: float) -> dict[str
         "b_statuses": dict(b.statuses),
         "b_ttft_p50_s": pct(b.ttft, 0.5),
         "b_ttft_p99_s": pct(b.ttft, 0.99),
+        "b_ttft_by_kind_s": {k: [pct(v, 0.5), pct(v, 0.99)] for k, v in b.kinds.items()},
         "a_statuses": {str(k): v for k, v in got.items()},
     }
 

@@ -198,6 +198,11 @@ def screen(params: SamplingParams, limits: GrammarLimits) -> None:
     so = params.structured
     if so is None or so.grammar_id is not None:
         return
+    if isinstance(so.json_schema, dict):  # the size first: a big schema costs a walk to copy
+        raw = len(json.dumps(so.json_schema, separators=(",", ":"), ensure_ascii=False).encode())
+        if raw > limits.max_spec_bytes:  # the spec's canonical form is never smaller
+            exc = LimitExceeded("max_spec_bytes", raw, limits.max_spec_bytes)
+            raise BadRequest(f"structured.json_schema: {exc}", "structured.json_schema")
     try:
         spec = to_spec(so)
         check_limits(spec, limits)

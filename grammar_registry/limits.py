@@ -53,10 +53,11 @@ class LimitExceeded(ValueError):
 
 def check_limits(spec: GrammarSpec, limits: GrammarLimits) -> None:
     """Raises `LimitExceeded` for the first limit the spec breaks."""
-    size = spec.size_bytes()
+    text = spec.canonical()  # one serialisation for the checks below (a big spec is costly)
+    size = len(text.encode())
     if size > limits.max_spec_bytes:
         raise LimitExceeded("max_spec_bytes", size, limits.max_spec_bytes)
-    if "\x00" in spec.canonical() or "\\u0000" in spec.canonical():
+    if "\x00" in text or "\\u0000" in text:
         raise LimitExceeded("nul_bytes", "a NUL character", "none")
     depth = _depth(spec.source)
     if depth > limits.max_depth:

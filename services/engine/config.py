@@ -46,6 +46,11 @@ class EngineConfig:
     # `tenant_weights`: tenant -> weight, 1 for any tenant not named.
     fair_scheduling: bool = True
     tenant_weights: dict[str, float] | None = None
+    # With fair scheduling, a tenant with nothing running has its first chunk computed in a step
+    # of its own (never two such steps in a row), so its first token does not wait on the other
+    # tenants' whole batch. None: on for cpu, where a step's time grows with the batch; off for
+    # cuda, where a decode batch costs about what one sequence does. False: the plain twin.
+    newcomer_steps: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -73,6 +78,11 @@ class EngineConfig:
         for tenant, weight in (self.tenant_weights or {}).items():
             if not weight > 0:
                 raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
+
+    def newcomer_steps_on(self, device: torch.device) -> bool:
+        if self.newcomer_steps is None:
+            return self.fair_scheduling and device.type == "cpu"
+        return self.fair_scheduling and self.newcomer_steps
 
     def tier_tenant_cap(self) -> int:
         if self.kv_tier_tenant_pages is not None:

@@ -49,7 +49,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.runner = ModelRunner(config, loaded)
         self.tokenizer = self.runner.loaded.tokenizer
-        self.scheduler = Scheduler.for_engine(config, self.runner.kv.allocator)
+        self.scheduler = Scheduler.for_engine(config, self.runner.kv.allocator, self.runner.device)
         self.sampler = Sampler(self.runner.device, config.seed)
         self.pool_tokens = pool_tokens = self.runner.kv.num_pages * config.page_size
         model_len = int(getattr(self.runner.model.config, "max_position_embeddings", pool_tokens))

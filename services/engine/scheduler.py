@@ -10,6 +10,13 @@ the next request admitted is the backlogged tenant's with the least virtual time
 its share of batch slots takes one from the tenant furthest over its own, prompt tokens per step
 are split between the tenants with prompts to compute, and preemption for pages picks from the
 tenant furthest over its share. `fair=False` is the plain twin: arrival order, newest preempted.
+
+With `newcomer_steps=True` (fair only) a tenant with nothing running has its first chunk computed
+in a step of its own, the running requests waiting that one step: its first token costs a small
+forward instead of the whole batch's (on a CPU a batch of 16 decodes takes about twice as long
+as one). Never two such steps in a row, so the others' decodes advance at least every other step,
+and a tenant has at most one in `NEWCOMER_GAP` steps, so one sending request after request (an
+abort storm) cannot take them all.
 """
 
 from __future__ import annotations
@@ -18,10 +25,14 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from kvcache.pages import PageAllocator, pages_needed
 from services.engine.config import EngineConfig
 from services.engine.fairness import FairShares
 from services.engine.request import Request, RequestStatus
+
+NEWCOMER_GAP = 8  # steps between two newcomer steps of one tenant
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     page_size: int = 16
     fair: bool = True  # weighted fair shares between tenants (False: arrival order)
+    newcomer_steps: bool = False  # fair only: a newcomer's first chunk in a step of its own
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.page_size < 1:
@@ -72,15 +84,21 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._steps = 0
+        self._newcomer_last = False  # the last step was a newcomer step
+        self._newcomer_at: dict[str, int] = {}  # tenant -> its last newcomer step (recent ones)
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, allocator: PageAllocator) -> Scheduler:
+    def for_engine(
+        cls, config: EngineConfig, allocator: PageAllocator, device: torch.device
+    ) -> Scheduler:
         sched = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             page_size=config.page_size,
             fair=config.fair_scheduling,
+            newcomer_steps=config.newcomer_steps_on(device),
         )
         return cls(sched, allocator, FairShares(dict(config.tenant_weights or {})))
 
@@ -99,14 +117,39 @@ class Scheduler:
         if fair:
             self._rebalance_slots(out)
             self._caps = self._prefill_caps()
-        short = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if short is not None:  # no pages were short: there may be room for more
-            self._admit_waiting(out, short)
+        if not self._newcomer_step(out):
+            short = self._schedule_running(out, self.config.max_num_batched_tokens)
+            if short is not None:  # no pages were short: there may be room for more
+                self._admit_waiting(out, short)
         for c in out.chunks:
             self.shares.charge(c.request.tenant, c.num_tokens)
         return out
 
     # -- fair shares ---------------------------------------------------------------------
+
+    def _newcomer_step(self, out: SchedulerOutput) -> bool:
+        """Admits only tenants with nothing running, when others are running (True: done)."""
+        last, self._newcomer_last = self._newcomer_last, False
+        self._steps += 1
+        if not self.config.newcomer_steps or last or not self.running:
+            return False
+        now, recent = self._steps, self._newcomer_at
+        busy = {r.tenant for r in self.running} | {
+            t for t, at in recent.items() if now - at < NEWCOMER_GAP
+        }
+        fresh = {r.tenant for r in self.waiting if r.ready and r.tenant not in busy}
+        if not fresh:
+            return False
+        self._caps = self._prefill_caps(fresh)
+        admitted = len(out.chunks)
+        self._admit_waiting(out, self.config.max_num_batched_tokens, only=fresh)
+        self._newcomer_last = len(out.chunks) > admitted
+        if not self._newcomer_last:  # no room for them (pages): an ordinary step
+            self._caps = self._prefill_caps()
+            return False
+        self._newcomer_at = {t: at for t, at in recent.items() if now - at < NEWCOMER_GAP}
+        self._newcomer_at.update({c.request.tenant: now for c in out.chunks[admitted:]})
+        return True
 
     def _ready_waiting(self) -> Counter[str]:
         return Counter(r.tenant for r in self.waiting if r.ready)
@@ -132,19 +175,20 @@ class Scheduler:
                 held[over] -= 1
                 held[tenant] += 1  # the slot is the waiting tenant's now (admitted below)
 
-    def _prefill_caps(self) -> dict[str, int] | None:
-        """Prompt tokens each tenant may compute this step (None: nobody else wants any)."""
+    def _prefill_caps(self, only: set[str] | None = None) -> dict[str, int] | None:
+        """Prompt tokens each tenant (of `only`: a newcomer step, no decodes) may compute this
+        step (None: nobody else wants any)."""
         if not self.config.enable_chunked_prefill:
             return None
         demand: Counter[str] = Counter()
         decodes = 0
-        for r in self.running:
+        for r in self.running if only is None else ():
             if r.num_uncomputed_tokens > 1:
                 demand[r.tenant] += r.num_uncomputed_tokens
             else:
                 decodes += 1
         for r in self.waiting:
-            if r.ready:
+            if r.ready and (only is None or r.tenant in only):
                 demand[r.tenant] += r.num_uncomputed_tokens
         if len(demand) < 2:
             return None
@@ -159,12 +203,16 @@ class Scheduler:
         self._caps[req.tenant] = self._caps.get(req.tenant, 0) - n
         return n
 
-    def _next_waiting(self, skip: set[int]) -> Request | None:
-        """Fair: the first ready request of the tenant with the least virtual time, among
-        those under their slot share if any is; else the first ready one."""
+    def _next_waiting(self, skip: set[int], only: set[str] | None = None) -> Request | None:
+        """Fair: the first ready request of the tenant with the least virtual time (of `only`),
+        among those under their slot share if any is; else the first ready one."""
         if not self.config.fair:
             return next((r for r in self.waiting if r.ready and id(r) not in skip), None)
-        ready = [r for r in self.waiting if r.ready and id(r) not in skip]
+        ready = [
+            r
+            for r in self.waiting
+            if r.ready and id(r) not in skip and (only is None or r.tenant in only)
+        ]
         if not ready:
             return None
         tenants = list(dict.fromkeys(r.tenant for r in ready))
@@ -200,12 +248,14 @@ class Scheduler:
             # `req` itself was preempted: the list shifted, index i is the next request
         return None if short else budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, only: set[str] | None = None
+    ) -> None:
         """Requests whose grammar is still compiling keep their place in the queue."""
         cfg = self.config
         capped: set[int] = set()  # their tenant's prompt tokens are spent for this step
         while budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self._next_waiting(capped)
+            req = self._next_waiting(capped, only)
             if req is None:
                 break
             n = min(req.num_uncomputed_tokens, self._chunk_limit(req))

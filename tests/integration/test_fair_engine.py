@@ -1,5 +1,6 @@
 """Fair shares on the real engine: a tenant arriving behind another's flood is served at once,
-and the fair scheduler and its plain twin give every request the same tokens."""
+and the fair scheduler (with and without newcomer steps) and its plain twin give every request
+the same tokens."""
 
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ def run(llm: LLM) -> tuple[dict[str, list[int]], dict[str, int]]:
 @pytest.fixture(scope="module")
 def outcomes(loaded_model):
     out = {}
-    for fair in (True, False):
+    for fair, newcomer in ((True, False), (False, False), ("newcomer", True)):
         llm = LLM(
-            loaded=loaded_model, kv_cache_memory=64 << 20, max_num_seqs=4, fair_scheduling=fair
+            loaded=loaded_model,
+            kv_cache_memory=64 << 20,
+            max_num_seqs=4,
+            fair_scheduling=bool(fair),
+            newcomer_steps=newcomer,
         )
         out[fair] = run(llm)
     return out
@@ -50,5 +55,9 @@ def test_the_tenant_behind_a_flood_is_served_at_once(outcomes):
     assert fair_done["b0"] <= min(fair_done[f"a{i}"] for i in range(5)) + 2
 
 
+def test_newcomer_steps_serve_it_no_later(outcomes):
+    assert outcomes["newcomer"][1]["b0"] <= outcomes[True][1]["b0"]
+
+
 def test_fair_and_plain_give_every_request_the_same_tokens(outcomes):
-    assert outcomes[True][0] == outcomes[False][0]
+    assert outcomes[True][0] == outcomes[False][0] == outcomes["newcomer"][0]

@@ -193,3 +193,21 @@ def test_screen_refuses_a_grammar_over_the_limits_at_the_ingress() -> None:
     screen(SamplingParams(structured=StructuredOutput(json_schema={"type": "integer"})), limits)
     screen(SamplingParams(structured=StructuredOutput(grammar_id="gr_x")), limits)  # a lookup
     screen(SamplingParams(), limits)
+
+
+def test_screen_refuses_a_schema_over_the_size_limit_before_walking_it(monkeypatch) -> None:
+    from deployments import translate
+    from grammar_registry.limits import GrammarLimits
+
+    walked = []
+    monkeypatch.setattr(translate, "to_spec", lambda so: walked.append(so))
+    limits = GrammarLimits(max_spec_bytes=1000)
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(100)}}
+    with pytest.raises(BadRequest) as err:
+        translate.screen(SamplingParams(structured=StructuredOutput(json_schema=big)), limits)
+    assert err.value.param == "structured.json_schema" and "max_spec_bytes" in str(err.value)
+    assert not walked  # refused on its size alone
+    # non-ASCII counts in bytes, as the canonical spec does
+    wide = {"enum": ["é" * 600]}  # 600 characters, 1200 bytes
+    with pytest.raises(BadRequest, match="max_spec_bytes"):
+        translate.screen(SamplingParams(structured=StructuredOutput(json_schema=wide)), limits)
