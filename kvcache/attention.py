@@ -10,18 +10,26 @@ The batch is packed: every scheduled token of every request in one row, `[1, T, 
 - Long queries (prompt chunks) run one call each; a chunk with no cached prefix attends to its own
   keys only, with a causal kernel and no gather.
 Pages are gathered into a workspace the pool keeps, so no layer allocates a fresh buffer.
+Per-layer variants (sliding windows, soft-capped logits) come from `kvcache/variants.py`.
+The step's batch arrives as the `paged_batch` keyword or, for a model whose layers do not pass
+keywords through (StableLM), from `stepping()` around the forward.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from kvcache import variants
+from kvcache.collect import CollectRead, _collecting_attention, _observe
 from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache
 
@@ -39,17 +47,6 @@ class QuestRead:
     dense_layers: int  # layers below this read every page
     hot: list[HotSet] | None = None  # offloaded rows: each row's hot set; parked ids are read
     # from its cells or from the host tier
-
-
-@dataclass
-class CollectRead:
-    """Rows whose attention weights feed the per-slot scores (H2O accumulates, SnapKV observes)."""
-
-    mode: str  # "accumulate" | "observe"
-    key_slots: torch.Tensor  # [R, S] (or [S]) slot of each key position; padding: the sink slot
-    q_weight: torch.Tensor  # [R, Q] (or [Q]) 1.0 for the queries whose weights count
-    kernel_size: int  # "observe": votes are average-pooled over this many neighbours
-    voters: int = 0  # "observe" in a long query: how many trailing queries vote
 
 
 @dataclass
@@ -109,9 +106,34 @@ class PagedBatch:
     long: list[LongQuery]
     bounds: BoundsUpdate | None = None
     zero_slots: torch.Tensor | None = None  # [Z] new slots whose score starts at zero
+    # (group, window) -> the group's mask windowed: built by the first layer with that window
+    windowed: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device) -> PagedBatch:
         return _move(self, device)
+
+    def mask_for(self, group: int, mask: torch.Tensor, window: int | None) -> torch.Tensor:
+        if window is None or window >= mask.shape[-1]:
+            return mask
+        key = (group, window)
+        if key not in self.windowed:
+            self.windowed[key] = variants.windowed(mask, window)
+        return self.windowed[key]
+
+
+_CURRENT: contextvars.ContextVar[PagedBatch | None] = contextvars.ContextVar(
+    "structserve_paged_batch", default=None
+)
+
+
+@contextmanager
+def stepping(batch: PagedBatch) -> Iterator[None]:
+    """`batch` is the step's for every layer called inside."""
+    token = _CURRENT.set(batch)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
 def _move(obj: Any, device: torch.device) -> Any:
@@ -123,7 +145,8 @@ def _move(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, list):
         return [_move(o, device) for o in obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, PagedKVCache):
-        changes = {f.name: _move(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        fields = [f for f in dataclasses.fields(obj) if f.name != "windowed"]
+        changes = {f.name: _move(getattr(obj, f.name), device) for f in fields}
         return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
     return obj
 
@@ -163,13 +186,12 @@ def paged_attention_forward(
     paged_batch: PagedBatch | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    if paged_batch is None:
-        raise RuntimeError(
-            f"{ATTN_IMPLEMENTATION} attention needs a PagedBatch in the model kwargs"
-        )
-    batch = paged_batch
+    batch = paged_batch if paged_batch is not None else _CURRENT.get()
+    if batch is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the step's PagedBatch")
     kv = batch.kv
     layer: int = module.layer_idx  # type: ignore[assignment]
+    variant = variants.layer_variant(layer, kwargs)
     kv.keys[layer].index_copy_(1, batch.slot_mapping, key[0])
     kv.values[layer].index_copy_(1, batch.slot_mapping, value[0])
     if batch.bounds is not None:
@@ -180,7 +202,15 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
     gqa = query.shape[1] != key.shape[1]
-    for s in batch.short:
+
+    def attend(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor, mask: Any) -> torch.Tensor:
+        if variant.softcap is not None:
+            return variants.softcapped_attention(q_, k_, v_, mask, scaling, variant.softcap)
+        return F.scaled_dot_product_attention(
+            q_, k_, v_, attn_mask=mask, scale=scaling, enable_gqa=gqa
+        )
+
+    for g, s in enumerate(batch.short):
         rows = s.token_index.shape[0]
         qs = q[s.token_index].transpose(1, 2)  # [R, H, Qmax, D]
         quest = s.quest
@@ -195,9 +225,7 @@ def paged_attention_forward(
             if s.collect is not None:
                 o = _collecting_attention(kv, layer, qs, ks, vs, s.mask, s.collect, scaling)
             else:
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=s.mask, scale=scaling, enable_gqa=gqa
-                )
+                o = attend(qs, ks, vs, batch.mask_for(g, s.mask, variant.window))
         o = o.transpose(1, 2)  # [R, Qmax, H, D]
         out.index_copy_(0, s.dst_index, o.flatten(0, 1).index_select(0, s.src_index))
     for lq in batch.long:
@@ -210,41 +238,19 @@ def paged_attention_forward(
             c = lq.collect
             one = CollectRead(c.mode, c.key_slots[None], c.q_weight[None], c.kernel_size)
             o = _collecting_attention(kv, layer, ql, kl, vl, lq.mask, one, scaling)
-        elif lq.page_index is None:
+        elif lq.page_index is None and variant.window is None and variant.softcap is None:
             o = F.scaled_dot_product_attention(
                 ql, kl, vl, is_causal=True, scale=scaling, enable_gqa=gqa
             )
+        elif lq.page_index is None:
+            o = attend(ql, kl, vl, variants.causal(ql.shape[2], variant.window, ql.device))
         else:
-            o = F.scaled_dot_product_attention(
-                ql, kl, vl, attn_mask=lq.mask, scale=scaling, enable_gqa=gqa
-            )
+            assert lq.mask is not None
+            o = attend(ql, kl, vl, batch.mask_for(-1 - lq.start, lq.mask, variant.window))
         out[lq.start : lq.end] = o[0].transpose(0, 1)
         if lq.collect is not None and lq.collect.mode == "observe":
             _observe(kv, layer, ql, kl, vl, lq.mask, lq.collect, scaling)
     return out[None], None
-
-
-def _observe(
-    kv: PagedKVCache,
-    layer: int,
-    q: torch.Tensor,  # [1, H, n, D]
-    k: torch.Tensor,  # [1, KVH, S, D]
-    v: torch.Tensor,
-    mask: torch.Tensor | None,  # [1, 1, n, S]; None: the chunk attends to itself, causally
-    collect: CollectRead,
-    scaling: float | None,
-) -> None:
-    """SnapKV's vote: only the chunk's last queries (the observation window) are materialised."""
-    n, s = q.shape[2], k.shape[2]
-    w = int(collect.q_weight.shape[0] - collect.voters)  # first voting query
-    if mask is None:
-        mask = (
-            torch.arange(s, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None]
-        )[None, None]
-    one = CollectRead(
-        collect.mode, collect.key_slots[None], collect.q_weight[None, w:], collect.kernel_size
-    )
-    _collecting_attention(kv, layer, q[:, :, w:], k, v, mask[:, :, w:], one, scaling)
 
 
 def _update_bounds(kv: PagedKVCache, layer: int, keys: torch.Tensor, upd: BoundsUpdate) -> None:
@@ -336,52 +342,6 @@ def _quest_read_tiered(
             pool.index_copy_(0, into, block.index_select(0, kept))  # into the hot set's cells
     shape = (rows, kvh, k * ps, dim)
     return out[0].view(shape), out[1].view(shape)
-
-
-# Explicit attention materialises [H, block, S] weights: queries go in blocks of this many.
-COLLECT_BLOCK = 256
-
-
-def _collecting_attention(
-    kv: PagedKVCache,
-    layer: int,
-    q: torch.Tensor,  # [B, H, Q, D]
-    k: torch.Tensor,  # [B, KVH, S, D]
-    v: torch.Tensor,
-    mask: torch.Tensor | None,  # [B, 1, Q, S] bool; None: causal over the query's own keys
-    collect: CollectRead,
-    scaling: float | None,
-) -> torch.Tensor:
-    """Attention with explicit softmax weights, summed per key into the slot scores."""
-    b, heads, nq, dim = q.shape
-    kvh, s = k.shape[1], k.shape[2]
-    scale = scaling if scaling is not None else dim**-0.5
-    q5 = q.view(b, kvh, heads // kvh, nq, dim).float()
-    kt = k.float().transpose(-1, -2)[:, :, None]  # [B, KVH, 1, D, S]
-    vf = v.float()[:, :, None]
-    out = torch.empty(b, kvh, heads // kvh, nq, dim, device=q.device)
-    votes = torch.zeros(b, kvh, s, device=q.device)
-    for lo in range(0, nq, COLLECT_BLOCK):
-        hi = min(nq, lo + COLLECT_BLOCK)
-        logits = (q5[:, :, :, lo:hi] @ kt) * scale  # [B, KVH, G, n, S]
-        if mask is None:
-            allowed = (
-                torch.arange(s, device=q.device)[None, :]
-                <= torch.arange(lo, hi, device=q.device)[:, None]
-            )
-        else:
-            allowed = mask[:, :, None, lo:hi]  # [B, 1, 1, n, S]
-        weights = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        out[:, :, :, lo:hi] = weights @ vf
-        votes += torch.einsum("bkgqs,bq->bks", weights, collect.q_weight[:, lo:hi])
-    if collect.mode == "observe":
-        pad = collect.kernel_size // 2
-        pooled = F.avg_pool1d(votes.view(b * kvh, 1, s), collect.kernel_size, 1, pad)
-        votes = pooled.view(b, kvh, s)
-        kv.scores[layer].index_fill_(1, collect.key_slots.flatten(), 0.0)
-    # [KVH, B * S]: the scores of KV head h live in row h of the layer's [KVH, slots] scores
-    kv.scores[layer].index_add_(1, collect.key_slots.flatten(), votes.transpose(0, 1).flatten(1))
-    return out.view(b, heads, nq, dim).to(q.dtype)
 
 
 def register() -> str:

@@ -36,6 +36,7 @@ class Limits:
     tier_pages: int | None  # the host tier's pages (None: no tier)
     pool_pages: int
     can_rerotate: bool
+    attention_variant: str | None = None  # what the model's attention adds (windows, soft-caps)
 
 
 def check_chars(chars: int, field: str, max_chars: int) -> None:
@@ -110,6 +111,11 @@ def refusal(req: Request, lim: Limits) -> str | None:
 
 def _kv_refusal(kv: KVPolicy, lim: Limits) -> str | None:
     ps = lim.page_size
+    if lim.attention_variant is not None:  # policies move entries off their positions
+        return (
+            f"kv.kind: {kv.kind!r} is not available on this model, whose attention has "
+            f"{lim.attention_variant}; use the full cache (no kv policy)"
+        )
     if kv.page_size is not None and kv.page_size != ps:
         return f"kv.page_size: must equal the engine's page size ({ps}), got {kv.page_size}"
     if kv.offload and lim.tier_pages is None:

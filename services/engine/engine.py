@@ -99,6 +99,7 @@ class LLMEngine:
             tier_pages=self.kv_tier.capacity_pages if self.kv_tier is not None else None,
             pool_pages=self.runner.kv.num_pages,
             can_rerotate=self.runner.rotate is not None,
+            attention_variant=self.runner.attention.describe(),
         )
 
     def _eos_token_ids(self) -> frozenset[int]:

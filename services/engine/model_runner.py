@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from kvcache import attention, policies
+from kvcache import attention, policies, variants
 from kvcache.batch import SeqSlice, build_paged_batch
 from kvcache.pages import KVLayout, PagedKVCache
 from services.engine.config import EngineConfig
@@ -53,7 +53,43 @@ class ModelRunner:
             layout.bytes_per_token,
         )
 
+        self.attention = self._probe()
         self.rotate = rope_rotation(self.model)
+
+    @torch.inference_mode()
+    def _probe(self) -> variants.AttentionProfile:
+        """One token through every layer (into page 0, which nothing holds yet): what each
+        layer's attention asks for. A model needing more than the paged attention implements
+        is refused here, at load, rather than giving wrong tokens later."""
+        config = self.model.config
+        batch, position_ids = build_paged_batch(self.kv, [SeqSlice([0], 0, 1)])
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        try:
+            with variants.probing() as profile, attention.stepping(batch):
+                self.model(
+                    input_ids=ids,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    logits_to_keep=1,
+                )
+        except variants.UnsupportedAttention as exc:
+            raise ValueError(f"model: {config.model_type}: {exc}") from exc
+        if profile.calls != config.num_hidden_layers:
+            raise ValueError(
+                f"model: {config.model_type}: {profile.calls} of its {config.num_hidden_layers} "
+                "layers call the attention interface; the paged attention needs every one"
+            )
+        if described := profile.describe():
+            context = getattr(config, "max_position_embeddings", 0) or 0
+            saving = profile.window_saving(config.num_hidden_layers, context)
+            log.info(
+                "attention: %s; at a %d-token context %.0f%% of the KV lies outside the windows "
+                "(kept: every layer holds every page)",
+                described,
+                context,
+                100 * saving,
+            )
+        return profile
 
     @property
     def vocab_size(self) -> int:
@@ -87,13 +123,13 @@ class ModelRunner:
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=keep,
-            paged_batch=batch,
-        )
+        with attention.stepping(batch):
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=keep,
+            )
         logits = out.logits[0]
         if scored:
             _record_prompt_logprobs(logits[len(sample_rows) :], scored)

@@ -1,4 +1,5 @@
-"""Model loading: a local Hugging Face folder, or the default SmolLM2 shipped as GGUF in a package.
+"""Model loading: a local Hugging Face folder, a GGUF file, or the default SmolLM2 shipped as GGUF
+in a package.
 
 The GGUF file loads in ~15 s (dequantization); the first load converts it to a safetensors folder in
 the cache so later loads take seconds. Offline only: nothing is fetched from a hub.
@@ -80,24 +81,31 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
 
 def resolve_model_dir(model: str | os.PathLike[str] | None) -> tuple[str, Path]:
-    """The (name, folder) to load; converts the default GGUF model on first use."""
+    """The (name, folder) to load: a Hugging Face folder as it is; a `.gguf` file (the default
+    model's included) converted to a folder in the cache on first use."""
     settings.force_offline()
     model = model or settings.default_model()
-    if model:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model: {path} is not a Hugging Face model folder")
-        return path.name, path
-    gguf = _default_gguf()
+    if not model:
+        return DEFAULT_NAME, _converted(_default_gguf(), DEFAULT_NAME)
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return path.stem, _converted(path, path.stem)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model: {path} is not a Hugging Face model folder or a .gguf file")
+    return path.name, path
+
+
+def _converted(gguf: Path, name: str) -> Path:
+    """The cached safetensors folder of `gguf`, keyed by its size and time (a new file: anew)."""
     digest = hashlib.sha256(f"{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()
-    out_dir = settings.cache_dir() / "models" / f"{DEFAULT_NAME}-{digest[:12]}"
+    out_dir = settings.cache_dir() / "models" / f"{name}-{digest[:12]}"
     if not (out_dir / "config.json").is_file():
         try:
             _convert_gguf(gguf, out_dir)
         except OSError:
             if not (out_dir / "config.json").is_file():  # lost a race to another process: fine
                 raise
-    return DEFAULT_NAME, out_dir
+    return out_dir
 
 
 def load_model(
@@ -111,9 +119,14 @@ def load_model(
 
     name, path = resolve_model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation
-    )
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation
+        )
+    except ValueError as exc:  # a family without SDPA (Gemma 2: soft-capped logits)
+        if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+            raise
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     hf = cast(Any, hf).to(torch.device(device)).eval()
     return LoadedModel(name=name, path=path, model=hf, tokenizer=tokenizer)
 

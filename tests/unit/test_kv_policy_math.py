@@ -30,7 +30,10 @@ def make_cache(num_pages: int = 32) -> PagedKVCache:
 
 
 def fill(kv: PagedKVCache, pages: list[int], n: int) -> torch.Tensor:
-    """Random keys and values for n tokens of `pages`; returns the keys `[L, KVH, n, D]`."""
+    """Random keys and values for n tokens of `pages`; returns the keys `[L, KVH, n, D]`. The
+    pages are zeroed first, as the allocator does when it hands a page out (the pool is
+    uninitialised memory: a NaN in a masked slot would still reach the output)."""
+    kv._zero_pages(pages)
     keys = torch.randn(LAYERS, KVH, n, D)
     for t in range(n):
         slot = pages[t // PS] * PS + t % PS
