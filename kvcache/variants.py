@@ -91,7 +91,7 @@ def probing() -> Iterator[AttentionProfile]:
         _PROBE.reset(token)
 
 
-def layer_variant(layer: int, kwargs: dict[str, Any], max_len: int | None = None) -> LayerVariant:
+def layer_variant(layer: int, kwargs: dict[str, Any]) -> LayerVariant:
     """The layer's variant from the call's keyword arguments; `UnsupportedAttention` for one
     the paged attention would have to ignore."""
     extra = sorted(k for k, v in kwargs.items() if v is not None and k not in IGNORED | HONOURED)
