@@ -184,6 +184,7 @@ async def collect(
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": results[0]["cached_tokens"]},
         },
         "structserve": {
             "validated": [r["validated"] for r in results],
@@ -302,12 +303,10 @@ async def sse(
         await release(usage["prompt_tokens"] + sum(made))  # before the end: see Tenants.release
         if body.stream_options is not None and body.stream_options.include_usage:
             total = usage["prompt_tokens"] + usage["completion_tokens"]
+            details = {"cached_tokens": firsts[0]["cached_tokens"]}
+            usage_out = {**usage, "total_tokens": total, "prompt_tokens_details": details}
             obj = {"id": rid, "object": kind, "created": created, "model": body.model}
-            yield (
-                "data: "
-                + json.dumps({**obj, "choices": [], "usage": {**usage, "total_tokens": total}})
-                + "\n\n"
-            )
+            yield "data: " + json.dumps({**obj, "choices": [], "usage": usage_out}) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:  # also when the client goes away: stop the replicas' work too
         for t in tasks:

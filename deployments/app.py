@@ -13,9 +13,9 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from deployments.config import Backpressure, ServiceConfig
+from deployments.config import Backpressure, RoutingConfig, ServiceConfig
 from deployments.grammar_service import GrammarService
 from deployments.ingress import Ingress
 from deployments.replica import LLMReplica
@@ -34,13 +34,27 @@ def _options(b: Backpressure, **actor: Any) -> dict[str, Any]:
     }
 
 
+def _router(routing: RoutingConfig) -> dict[str, Any]:
+    if routing.policy == "power_of_two":
+        return {}
+    router = RequestRouterConfig.model_validate(
+        {
+            "request_router_class": "deployments.routing:PrefixAffinityRouter",
+            "request_router_kwargs": {
+                "prefix_chars": routing.prefix_chars,
+                "max_load_gap": routing.max_load_gap,
+            },
+        }
+    )
+    return {"request_router_config": router}
+
+
 def build_app(args: dict[str, Any] | ServiceConfig) -> Application:
     cfg = args if isinstance(args, ServiceConfig) else ServiceConfig.model_validate(args or {})
     plain = cfg.model_dump(mode="json")
     grammar = serve.deployment(name="GrammarService", **_options(cfg.grammar))(GrammarService)
-    llm = serve.deployment(name="LLMReplica", **_options(cfg.llm, num_gpus=cfg.llm.num_gpus))(
-        LLMReplica
-    )
+    llm_options = _options(cfg.llm, num_gpus=cfg.llm.num_gpus) | _router(cfg.llm.routing)
+    llm = serve.deployment(name="LLMReplica", **llm_options)(LLMReplica)
     ingress = serve.deployment(name="Ingress", **_options(cfg.ingress))(Ingress)
     hub = None
     if cfg.telemetry.enabled:  # one replica: it only adds up small snapshots

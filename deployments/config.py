@@ -37,6 +37,16 @@ class IngressConfig(Backpressure):
     body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
 
+class RoutingConfig(_Strict):
+    """How the ingress picks an LLM replica (deployments/routing.py). `prefix_affinity`: requests
+    with the same tenant, salt and start go to the replica caching that start, unless it is over
+    `max_load_gap` requests busier than the least busy; `power_of_two`: Ray's default."""
+
+    policy: Literal["prefix_affinity", "power_of_two"] = "prefix_affinity"
+    prefix_chars: int = Field(default=2048, ge=1)  # a completion prompt's start that is keyed
+    max_load_gap: int = Field(default=8, ge=0)
+
+
 class LLMConfig(Backpressure):
     # well above the engine's max_num_seqs: requests then wait in the engine's fair queue
     # (weighted between tenants), not in the handle's arrival order (cheap: a waiting request
@@ -46,6 +56,7 @@ class LLMConfig(Backpressure):
     # services.engine.config.EngineConfig, e.g. {"kv_cache_memory": 268435456}; a misspelt
     # field fails at load
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    routing: RoutingConfig = RoutingConfig()
 
     @field_validator("engine")
     @classmethod

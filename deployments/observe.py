@@ -98,6 +98,7 @@ class RequestObs:
     def add_result(self, delta: Mapping[str, Any]) -> None:
         """A choice's last delta: its usage and finish reason."""
         self.usage["prompt_tokens"] = delta["prompt_tokens"]
+        self.usage["cached_tokens"] = delta.get("cached_tokens", 0)
         self.usage["completion_tokens"] += delta["completion_tokens"]
         reason = delta["finish_reason"]
         self.finish_reasons.append(str(reason))
@@ -123,6 +124,7 @@ class RequestObs:
             if self.finish_reasons:
                 self.span.set_attribute(spans.RESPONSE_FINISH_REASONS, self.finish_reasons)
                 self.span.set_attribute(spans.USAGE_INPUT_TOKENS, self.usage["prompt_tokens"])
+                self.span.set_attribute(spans.CACHED_TOKENS, self.usage.get("cached_tokens", 0))
                 self.span.set_attribute(spans.USAGE_OUTPUT_TOKENS, self.usage["completion_tokens"])
             if status >= 400:
                 self.span.set_attribute(spans.ERROR_TYPE, str(status))

@@ -119,6 +119,9 @@ class _Common(_Body):
     grammar_id: str | None = None
     kv_policy: KVPolicyBody | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
+    # vLLM's field: only requests with the same salt share cached prefix pages (within a tenant;
+    # tenants never share any)
+    cache_salt: str | None = None
     # older vLLM clients and SGLang's: aliases of `structured_outputs` (structured_fields.py)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

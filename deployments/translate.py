@@ -184,6 +184,7 @@ def sampling_from(body: Any, max_tokens_cap: int) -> SamplingParams:
             min_tokens=body.min_tokens,
             logprobs=body.logprobs_wanted(),
             fit_max_tokens=requested is None,
+            cache_salt=body.cache_salt,
         )
     except BadRequest:
         raise

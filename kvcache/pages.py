@@ -21,8 +21,10 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """A free list of page ids; O(1) allocate and free.
+    """A free list of page ids with a reference count each; O(1) allocate and free.
 
+    A page is handed out with one reference; `free` drops one and the page is free again at zero.
+    Only the prefix cache (`kvcache.prefix`) takes a second reference, to share a page.
     `on_first_use` is called with pages handed out for the first time (the pool zeroes them).
     """
 
@@ -33,39 +35,51 @@ class PageAllocator:
             raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._used = [False] * num_pages
+        self._refs = [0] * num_pages
         self._touched = [False] * num_pages
         self._on_first_use = on_first_use
 
     @property
     def num_free(self) -> int:
+        """Pages an `allocate` can hand out now."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfPages(f"asked for {n} pages, {self.num_free} free")
+        pages = self._take(n)
         fresh = [p for p in pages if not self._touched[p]]
         for p in pages:
-            self._used[p] = True
+            self._refs[p] = 1
             self._touched[p] = True
         if fresh and self._on_first_use is not None:
             self._on_first_use(fresh)
         return pages
 
     def free(self, pages: list[int]) -> None:
+        """Drops one reference to each page."""
         for p in pages:
-            if not self._used[p]:
+            if self._refs[p] <= 0:
                 raise RuntimeError(f"page {p} freed twice")
-            self._used[p] = False
-            self._free.append(p)
+            self._refs[p] -= 1
+            if not self._refs[p]:
+                self._released(p)
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
+    def _take(self, n: int) -> list[int]:
+        return [self._free.popleft() for _ in range(n)]
+
+    def _released(self, page: int) -> None:
+        self._free.append(page)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -118,7 +132,13 @@ class PagedKVCache:
     memory would still poison the output.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: torch.device,
+        allocator: type[PageAllocator] = PageAllocator,
+    ) -> None:
         self.layout = layout
         self.num_pages = num_pages
         self.device = device
@@ -131,7 +151,7 @@ class PagedKVCache:
         # Post-RoPE keys: every policy that scores keys (Quest bounds, SnapKV) wants them rotated.
         self.keys = torch.empty(shape, dtype=layout.dtype, device=device)
         self.values = torch.empty(shape, dtype=layout.dtype, device=device)
-        self.allocator = PageAllocator(num_pages, on_first_use=self._zero_pages)
+        self.allocator = allocator(num_pages, on_first_use=self._zero_pages)
         self._zero_pages([0])  # page 0 pads every gather
         self._workspace = torch.empty(0, dtype=layout.dtype, device=device)
         # Allocated on first use by a policy that needs them (see `kvcache.policies`):

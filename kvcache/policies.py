@@ -81,6 +81,12 @@ class Policy:
 
     kind: ClassVar[str] = "full"
     bounded: ClassVar[bool] = False
+    # The prefix cache (`kvcache.prefix`) may map pages other requests computed, and keep this
+    # request's full pages for others: True for policies that never rewrite a page once full.
+    # The bounded ones move kept tokens to the front of their pages when they compact (and H2O
+    # needs every prompt query's weights, which a cached prefix never computes): they opt out.
+    shares_pages: ClassVar[bool] = True
+    keeps_bounds: ClassVar[bool] = False  # per-page key bounds (Quest) of every page it holds
 
     def plan(self, state: KVState, start: int, num_tokens: int, prompt_len: int) -> ReadPlan | None:
         """`start` is the logical index of the row's first new token."""
@@ -106,6 +112,7 @@ class Policy:
 
 class _Bounded(Policy):
     bounded = True
+    shares_pages = False
 
     def should_compact(
         self, state: KVState, computed: int, prompt_len: int, page_size: int
@@ -221,6 +228,7 @@ class Quest(Policy):
     """
 
     kind = "quest"
+    keeps_bounds = True
 
     def plan(self, state: KVState, start: int, num_tokens: int, prompt_len: int) -> ReadPlan:
         policy = state.policy
@@ -228,7 +236,7 @@ class Quest(Policy):
         return ReadPlan(
             quest_pages=max(1, policy.budget // (policy.page_size or 1)) if decode else None,
             dense_layers=policy.dense_layers,
-            bounds=True,
+            bounds=self.keeps_bounds,
             tier=state.tier,
         )
 

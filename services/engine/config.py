@@ -51,6 +51,10 @@ class EngineConfig:
     # tenants' whole batch. None: on for cpu, where a step's time grows with the batch; off for
     # cuda, where a decode batch costs about what one sequence does. False: the plain twin.
     newcomer_steps: bool | None = None
+    # Automatic prefix caching (services/engine/prefix_cache.py): full pages are kept, keyed by
+    # their tokens and the tenant, and a request whose prompt starts the same way maps them
+    # instead of computing them. False: the plain twin, every prompt computed whole.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -30,6 +30,7 @@ from services.engine.grammar.provider import GrammarProvider
 from services.engine.kv_offload import OffloadManager
 from services.engine.model_runner import ModelRunner
 from services.engine.params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from services.engine.prefix_cache import PrefixCache
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampled, Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -50,6 +51,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded)
         self.tokenizer = self.runner.loaded.tokenizer
         self.scheduler = Scheduler.for_engine(config, self.runner.kv.allocator, self.runner.device)
+        if config.enable_prefix_caching:
+            self.scheduler.prefix = PrefixCache.for_runner(self.runner)
         self.sampler = Sampler(self.runner.device, config.seed)
         self.pool_tokens = pool_tokens = self.runner.kv.num_pages * config.page_size
         model_len = int(getattr(self.runner.model.config, "max_position_embeddings", pool_tokens))
@@ -165,6 +168,8 @@ class LLMEngine:
         refusal = admission.refusal(req, self.limits)
         if refusal:
             raise RequestError(refusal, status=400)
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.scope(req)
         if req.kv_state is not None and req.kv_state.policy.offload:
             assert self.offload is not None  # `admission.refusal` checked
             refusal = self.offload.admit(req)

@@ -8,7 +8,8 @@ import torch
 
 from kvcache import attention, policies, variants
 from kvcache.batch import SeqSlice, build_paged_batch
-from kvcache.pages import KVLayout, PagedKVCache
+from kvcache.pages import KVLayout, PageAllocator, PagedKVCache
+from kvcache.prefix import PrefixCachingAllocator
 from services.engine.config import EngineConfig
 from services.engine.request import Request
 from services.engine.scheduler import ScheduledChunk
@@ -44,7 +45,8 @@ class ModelRunner:
         self.model = loaded.model
         layout = _kv_layout(self.model.config, config.page_size, self.dtype)
         budget = config.kv_budget_bytes(self.device)
-        self.kv = PagedKVCache(layout, layout.pages_for_budget(budget), self.device)
+        allocator = PrefixCachingAllocator if config.enable_prefix_caching else PageAllocator
+        self.kv = PagedKVCache(layout, layout.pages_for_budget(budget), self.device, allocator)
         log.info(
             "KV pool: %d pages of %d tokens (%.1f MiB, %d bytes per token)",
             self.kv.num_pages,

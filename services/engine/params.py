@@ -187,6 +187,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs bound
+MAX_SALT_CHARS = 256
 MAX_LOGIT_BIAS = 1024  # OpenAI has no bound; a dict this long is already a vocabulary slice
 _SEED_RANGE = (-(2**63), 2**64)  # what a torch.Generator accepts
 
@@ -222,6 +223,9 @@ class SamplingParams:
     # max_tokens is only a cap: lowered to the context left after the prompt (an HTTP request
     # that did not set it, as in vLLM)
     fit_max_tokens: bool = False
+    # keeps this request's cached prefix apart from the rest of its tenant's (vLLM's field):
+    # only requests with the same salt share prefix pages (tenants never share any)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -261,6 +265,9 @@ class SamplingParams:
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias: {value} for token {token} is not in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias or None)
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS):
+            raise ValueError(f"cache_salt: must be a string of 1 to {MAX_SALT_CHARS} characters")
 
     @property
     def penalized(self) -> bool:
@@ -312,6 +319,7 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_forced_tokens: int = 0  # appended by jump-forward: each is a decode step saved
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
     @property
     def queue_time(self) -> float | None:
@@ -343,6 +351,7 @@ class RequestMetrics:
             "num_output_tokens": self.num_output_tokens,
             "num_preemptions": self.num_preemptions,
             "num_forced_tokens": self.num_forced_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
         }
 
 

@@ -44,6 +44,12 @@ class Request:
     pages: list[int] = field(default_factory=list)
     kv_state: KVState | None = None  # a KV policy other than `full`: what it evicted so far
     context_limit: int | None = None  # the policy's own limit on tokens (None: the engine's)
+    # prefix caching (services/engine/prefix_cache.py): the key chain's root (None: the request
+    # neither reads nor feeds the cache), the keys of its full pages so far, and how many of its
+    # pages have been offered to the cache
+    cache_root: bytes | None = None
+    page_keys: list[bytes] = field(default_factory=list)
+    keyed_pages: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

@@ -30,6 +30,7 @@ import torch
 from kvcache.pages import PageAllocator, pages_needed
 from services.engine.config import EngineConfig
 from services.engine.fairness import FairShares
+from services.engine.prefix_cache import PrefixCache
 from services.engine.request import Request, RequestStatus
 
 NEWCOMER_GAP = 8  # steps between two newcomer steps of one tenant
@@ -81,6 +82,8 @@ class Scheduler:
         self.on_release: Callable[[Request], None] | None = None
         # asked for pages before anyone is preempted (the host tier's hot sets are a cache)
         self.reclaim: Callable[[int], int] | None = None
+        # automatic prefix caching (None: off): a request starts from its cached prefix
+        self.prefix: PrefixCache | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -113,6 +116,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.prefix is not None:  # pages the last step filled, for requests admitted now
+            self.prefix.step(self.running)
         fair = self.config.fair
         if fair:
             self._rebalance_slots(out)
@@ -258,16 +263,24 @@ class Scheduler:
             req = self._next_waiting(capped, only)
             if req is None:
                 break
+            cached = self.prefix.map(req) if self.prefix is not None else 0
+            if cached is None:  # its next page is being computed: it waits for it
+                capped.add(id(req))
+                continue
             n = min(req.num_uncomputed_tokens, self._chunk_limit(req))
             if n > budget and cfg.enable_chunked_prefill:
                 n = budget
             n = self._capped(req, n)
-            if n == 0:
-                capped |= {id(r) for r in self.waiting if r.tenant == req.tenant}
-                continue
             fits = n <= budget or not out.chunks  # unchunked: a long prompt runs alone, not never
-            if not fits or not self._reserve_pages(req, req.num_cached_tokens + n):
+            if n == 0 or not fits or not self._reserve_pages(req, req.num_cached_tokens + n):
+                if self.prefix is not None:
+                    self.prefix.unmap(req)
+                if n == 0:
+                    capped |= {id(r) for r in self.waiting if r.tenant == req.tenant}
+                    continue
                 break
+            if self.prefix is not None:
+                self.prefix.admitted(req, cached)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -339,6 +352,9 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
 
     def _free_all(self, req: Request) -> None:
+        if self.prefix is not None:  # its full pages stay cached once free (unless it failed)
+            self.prefix.offer(req)
+            self.prefix.released(req)
         # ids past the pool name parked pages (host tier): `on_release` frees those
         self.allocator.free([p for p in req.pages if p < self.allocator.num_pages])
         req.pages = []

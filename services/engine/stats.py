@@ -51,6 +51,10 @@ class EngineStats:
             ("structserve.kv.tier_selections", self._tier_selections),
             ("structserve.kv.host_bytes_in_use", self._tier("host_bytes_in_use")),
             ("structserve.kv.recall_latency", self._recall_latency),
+            ("structserve.prefix_cache.queries", self._prefix_tokens("queried")),
+            ("structserve.prefix_cache.hits", self._prefix_tokens("hit")),
+            ("structserve.prefix_cache.evictions", self._prefix_evictions),
+            ("structserve.prefix_cache.pages", self._prefix_pages),
         ]
         for name, source in self._sources:
             fam.observe(name, source)
@@ -97,6 +101,28 @@ class EngineStats:
             (getattr(tier, "misses", 0) or 0, {"result": "miss"}),
         ]
 
+    def _prefix_tokens(self, counter: str) -> Any:
+        def source() -> Obs:
+            prefix = self.engine.scheduler.prefix
+            if prefix is None:
+                return []
+            return [(n, {"tenant": t}) for t, n in dict(getattr(prefix, counter)).items()]
+
+        return source
+
+    def _prefix_evictions(self) -> Obs:
+        prefix = self.engine.scheduler.prefix
+        return [] if prefix is None else [(prefix.allocator.evictions, {})]
+
+    def _prefix_pages(self) -> Obs:
+        prefix = self.engine.scheduler.prefix
+        if prefix is None:
+            return []
+        alloc = prefix.allocator
+        evictable = alloc.num_evictable
+        in_use = alloc.num_cached - evictable
+        return [(in_use, {"state": "in_use"}), (evictable, {"state": "evictable"})]
+
     def _recall_latency(self) -> Obs:
         tier = kv_tier(self.engine)
         if tier is None:
@@ -139,7 +165,11 @@ class EngineStats:
                 spans.PREFILL,
                 m.first_scheduled_time,
                 m.first_token_time,
-                {spans.TOKENS: m.num_prompt_tokens, spans.PREEMPTIONS: m.num_preemptions},
+                {
+                    spans.TOKENS: m.num_prompt_tokens,
+                    spans.CACHED_TOKENS: m.num_cached_tokens,
+                    spans.PREEMPTIONS: m.num_preemptions,
+                },
             ),
             (
                 spans.DECODE,

@@ -105,6 +105,31 @@ class Families:
             "(read from the host tier); the hit rate is hit / (hit + miss).",
         )
         self._gauge(m, "structserve.kv.host_bytes_in_use", "By", "Host tier bytes held.")
+        self._counter(
+            m,
+            "structserve.prefix_cache.queries",
+            "{token}",
+            "Prompt tokens looked up in the prefix cache, by tenant.",
+        )
+        self._counter(
+            m,
+            "structserve.prefix_cache.hits",
+            "{token}",
+            "Prompt tokens served from the prefix cache (not computed), by tenant; the hit rate "
+            "is hits / queries.",
+        )
+        self._counter(
+            m,
+            "structserve.prefix_cache.evictions",
+            "{page}",
+            "Cached pages handed out for other contents (their memory was wanted).",
+        )
+        self._gauge(
+            m,
+            "structserve.prefix_cache.pages",
+            "{page}",
+            "Pages the prefix cache holds, by state: in_use (mapped by a request) or evictable.",
+        )
         self._gauge(
             m,
             "structserve.kv.recall_latency",

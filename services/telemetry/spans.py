@@ -52,6 +52,7 @@ COMPILE_SECONDS = "structserve.grammar.compile_s"
 PREEMPTIONS = "structserve.preemptions"
 FORCED_TOKENS = "structserve.jump_forward.tokens"
 TOKENS = "structserve.tokens"
+CACHED_TOKENS = "structserve.prefix_cache.cached_tokens"  # prompt tokens the cache served
 
 # span names (the server span is "{gen_ai.operation.name} {model}", with the served model's name
 # rather than the client's `model` string, which is `gen_ai.request.model`: names stay few)

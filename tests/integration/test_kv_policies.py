@@ -89,7 +89,13 @@ def test_rerotation_keeps_positions_inside_the_cache(llm):
 
 def test_bounded_policies_fit_more_long_requests_in_a_small_pool(loaded_model):
     layout_bytes = 2 * 30 * 3 * 64 * 4 * PS  # SmolLM2 fp32: bytes of one page
-    small = LLM(loaded=loaded_model, kv_cache_memory=40 * layout_bytes, grammar_workers=0)
+    # no prefix caching: the four dense requests would share their prompt's pages
+    small = LLM(
+        loaded=loaded_model,
+        kv_cache_memory=40 * layout_bytes,
+        grammar_workers=0,
+        enable_prefix_caching=False,
+    )
     engine = small.engine
     assert engine.runner.kv.num_pages == 40
 
