@@ -87,7 +87,7 @@ def main() -> None:
     runtime = LLM(
         loaded=loaded,
         kv_cache_memory=128 << 20,
-        grammar_provider=build_provider(backend, 1, config=lenient),  # type: ignore[arg-type]
+        grammar_provider=build_provider(backend, 1, config=lenient),
     )
     wanted = set(filter(None, args.cases.split(",")))
     cases = [c for c in [*extra_cases(), *CASES] if not wanted or c.name in wanted]

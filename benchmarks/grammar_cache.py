@@ -13,6 +13,7 @@ Prints p50/p95/p99 and ratios, blob sizes, stored vs compile-locally; writes
 `benchmarks/results/grammar_cache.json` and `.png`.
 
     .venv/bin/python benchmarks/grammar_cache.py [--limit N] [--redis-url redis://127.0.0.1:6379/12]
+    .venv/bin/python benchmarks/grammar_cache.py --backends   # xgrammar, llguidance, auto
 """
 
 from __future__ import annotations
@@ -145,9 +146,20 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--deadline", type=float, default=10.0)
     p.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--backends",
+        action="store_true",
+        help="per grammar backend instead: cold time to first mask and fills at batch 32 "
+        "(benchmarks/grammar_backends.py)",
+    )
     args = p.parse_args()
     if args.replica:
         replica(args)
+        return
+    if args.backends:
+        import grammar_backends
+
+        grammar_backends.run(args.limit, 32)
         return
 
     from services.compiler.specs import to_spec

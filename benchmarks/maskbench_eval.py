@@ -5,9 +5,14 @@ or has keywords the grammar cannot enforce (both listed), decode greedily with t
 constraint, and validate the text with `jsonschema`. Outputs that reach max_tokens are checked for
 a loop (the text ends in a unit repeated at least 3 times, as a small model does inside an unbounded
 string); those that do not loop are decoded again with `--retry-max-tokens`. Prints the counts and
-every exception, writes `benchmarks/results/maskbench_eval.json`.
+every exception, writes `benchmarks/results/maskbench_eval[_BACKEND].json`.
 
-    .venv/bin/python benchmarks/maskbench_eval.py [--limit N] [--max-tokens 256] [--batch 32]
+`--backend xgrammar|llguidance|auto` picks the grammar backend (`grammar_backend`); with
+`--compile-only` only the compile phase runs: per backend, which schemas compile, which have
+keywords it cannot enforce, and under `auto` which backend each schema got.
+
+    .venv/bin/python benchmarks/maskbench_eval.py [--backend auto] [--compile-only] [--limit N]
+        [--max-tokens 256] [--batch 32]
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -96,29 +102,47 @@ def main() -> None:
         help="no bounds on numbers, no repeat guard (services/engine/grammar/finish.py)",
     )
     p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--backend", default="xgrammar", choices=("xgrammar", "llguidance", "auto"))
+    p.add_argument("--compile-only", action="store_true")
     args = p.parse_args()
     files = sorted(MASKBENCH.glob("*.json"))
     if args.limit:
         files = files[: args.limit]
-    llm = LLM(loaded=load_model(), kv_cache_memory=1 << 30, jump_forward=args.jump_forward)
+    llm = LLM(
+        loaded=load_model(),
+        kv_cache_memory=1 << 30,
+        jump_forward=args.jump_forward,
+        grammar_backend=args.backend,
+    )
     backend = llm.engine.grammars.backend
     not_compiled, loosened, runnable = [], [], []
-    for f in files:
+    chosen: Counter[str] = Counter()
+    for i, f in enumerate(files):
         schema = json.loads(f.read_text())["schema"]
         try:
             compiled = backend.compile(StructuredOutput(json_schema=schema))
         except GrammarError as exc:
             not_compiled.append({"file": f.name, "error": str(exc)})
             continue
+        chosen[compiled.backend] += 1
         if compiled.warnings:
             loosened.append({"file": f.name, "keywords": compiled.warnings})
         else:
             runnable.append((f.name, schema))
+        if (i + 1) % 100 == 0:
+            print(f"  {i + 1}/{len(files)} compiled", flush=True)
     print(
-        f"{len(files)} schemas: {len(not_compiled)} do not compile, {len(loosened)} loosened, "
-        f"{len(runnable)} to decode",
+        f"{args.backend}: {len(files)} schemas: {len(not_compiled)} do not compile, "
+        f"{len(loosened)} with keywords not enforced, {len(runnable)} to decode; "
+        f"backends chosen {dict(chosen)}",
         flush=True,
     )
+    if args.compile_only:
+        RESULTS.mkdir(exist_ok=True)
+        out = {"backend": args.backend, "schemas": len(files), "chosen": dict(chosen)}
+        out |= {"not_compiled": not_compiled, "loosened": loosened, "runnable": len(runnable)}
+        (RESULTS / f"maskbench_compile_{args.backend}.json").write_text(json.dumps(out, indent=2))
+        return
     results = decode(llm, runnable, args.max_tokens, args.batch, args)
     unfinished = {r["file"] for r in results if r["finish_reason"] == "length" and not r["looping"]}
     if unfinished and args.retry_max_tokens > args.max_tokens:
@@ -146,12 +170,16 @@ def main() -> None:
         "tokens": sum(r["tokens"] for r in results),
         "plain": args.plain,
         "repetition_penalty": args.repetition_penalty,
+        "backend": args.backend,
+        "chosen": dict(chosen),
         "exceptions": bad,
         "max_tokens": args.max_tokens,
         "retry_max_tokens": args.retry_max_tokens,
     }
     RESULTS.mkdir(exist_ok=True)
-    name = "maskbench_eval_plain.json" if args.plain else "maskbench_eval.json"
+    name = "maskbench_eval_plain" if args.plain else "maskbench_eval"
+    name += "" if args.backend == "xgrammar" else f"_{args.backend}"
+    name += ".json"
     (RESULTS / name).write_text(json.dumps(summary, indent=2))
     print(
         f"\nvalidated {len(ok)} of {len(results)} decoded outputs; {len(looping)} loop until "

@@ -151,7 +151,7 @@ def bench_batch(loaded, llms, schemas, b: int, max_tokens: int) -> dict:
     row["a_unconstrained"] = run_engine(llms["overlap"], prompts, free)
     row["c_serial"] = run_engine(llms["serial"], prompts, [sp(s) for s in sch])
     row["d_jump_forward"] = run_engine(llms["jump"], prompts, [sp(s) for s in sch])
-    backend = llms["overlap"].engine.grammars.backend
+    backend = llms["overlap"].engine.grammars.backend.xgrammar
     row["e_hf_xgrammar"] = run_hf(loaded, prompts, sch, max_tokens, backend)
     for key in ("b_overlap", "c_serial", "d_jump_forward", "e_hf_xgrammar"):
         row[key]["valid"] = valid_count(row[key]["texts"], sch)

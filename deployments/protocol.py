@@ -61,6 +61,8 @@ class StructuredOutputs(_Body):
     # ours: outputs that finish (services/engine/grammar/finish.py); set to turn them off
     bound_numbers: bool = True
     max_repeat_run: int | None = Field(default=128, ge=8)
+    # ours: pins a grammar backend (else the service's `grammar_backend`)
+    backend: Literal["xgrammar", "llguidance"] | None = None
 
 
 class KVPolicyBody(_Body):

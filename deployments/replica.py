@@ -82,10 +82,14 @@ class LLMReplica:
         if grammar_handle is not None:
             from deployments.grammar_service import RemoteVerdicts
             from services.compiler import ServiceGrammarProvider
+            from services.compiler.local_builds import LocalBuilds
 
-            backend = self.engine.grammars.backend
-            remote = RemoteVerdicts(grammar_handle, backend.tokenizer_info)  # type: ignore[attr-defined]
-            self.engine.grammars.use_provider(ServiceGrammarProvider(backend, remote))  # type: ignore[arg-type]
+            backends = self.engine.grammars.backend
+            xgrammar = backends.xgrammar
+            remote = RemoteVerdicts(grammar_handle, xgrammar.tokenizer_info)
+            local = LocalBuilds(backends, cfg.grammar.limits)
+            provider = ServiceGrammarProvider(xgrammar, remote, local=local)
+            self.engine.grammars.use_provider(provider)
         self.llm = AsyncLLM(self.engine)
         self.token_text = logprobs.TokenText(self.engine.tokenizer)
         self.model_name = cfg.served_model_name

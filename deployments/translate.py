@@ -90,6 +90,8 @@ def _structured_outputs(body: Any) -> dict[str, Any] | None:
     if so.disable_additional_properties:
         given["strict"] = True  # xgrammar's strict mode: no properties the schema does not list
     given["bound_numbers"], given["max_repeat_run"] = so.bound_numbers, so.max_repeat_run
+    if so.backend is not None:
+        given["backend"] = so.backend
     return given
 
 

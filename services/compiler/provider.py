@@ -31,11 +31,12 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from grammar_registry.cache import LRUBytes, Verdict
 from grammar_registry.specs import GrammarSpec
-from services import settings, telemetry
+from services import telemetry
 from services.compiler.dispatch import FairDispatcher
 from services.compiler.futures import done, failed, pipe, settle, then
-from services.compiler.service import CompilerConfig, CompileService, raise_for
-from services.compiler.specs import to_spec, to_structured
+from services.compiler.local_builds import LocalBuilds
+from services.compiler.service import raise_for
+from services.compiler.specs import schema_of, to_spec, to_structured
 from services.engine.grammar.backend import CompiledGrammar, GrammarError
 from services.engine.grammar.fidelity import loosened_keywords
 from services.engine.grammar.xgrammar_backend import XGrammarBackend, fidelity_error
@@ -122,8 +123,10 @@ class ServiceGrammarProvider:
         owns_service: bool = False,
         busy_wait_s: float = 120.0,
         tenant_threads: int | None = None,  # default: half the threads
+        local: LocalBuilds | None = None,  # llguidance grammars, built in this process
     ) -> None:
         self.backend = backend
+        self.local = local
         self.service = service
         self._owns_service = owns_service
         self.busy_wait_s = busy_wait_s
@@ -142,6 +145,9 @@ class ServiceGrammarProvider:
         try:
             if spec.grammar_id is not None:  # a remote lookup: never on the caller's thread
                 inner = self._registered(spec, tenant, parent)
+            elif self.local is not None and self.local.builds_here(spec):
+                service = lambda s, t: then(self._submit(s, t, parent), _compiled)  # noqa: E731
+                inner = then(self.local.submit(spec, tenant, service), _built)
             else:
                 inner = self._submit(spec, tenant, parent)
         except Exception as exc:  # after `shutdown` too: the dispatcher takes no more tasks
@@ -297,7 +303,7 @@ class ServiceGrammarProvider:
             handle = self.backend.compile(to_structured(spec)).handle
             labels = {"kind": spec.kind, "outcome": "ok", "where": "replica"}
             telemetry.get().metrics.grammar_compile.record(time.perf_counter() - start, labels)
-        schema = _schema_of(spec)
+        schema = schema_of(spec)
         compiled = CompiledGrammar(handle, list(verdict.warnings), schema)
         self.l1.put(key, compiled, int(handle.memory_size_bytes))
         return _Resolved(compiled, level)
@@ -316,6 +322,9 @@ class ServiceGrammarProvider:
     def downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
         """Forgets the compiled grammar here at once; the refusal reaches the verdict cache on a
         resolver thread (a registered grammar's spec may need a remote lookup first)."""
+        if self.local is not None and self.local.builds_here(spec):
+            self.local.downgrade(spec, tenant, error)
+            return
         if spec.grammar_id is None:
             try:
                 self.l1.pop(self.service.key(to_spec(spec), "shared"))
@@ -333,19 +342,13 @@ class ServiceGrammarProvider:
             log.warning("grammar cache: downgrading a verdict failed", exc_info=True)
 
     def shutdown(self) -> None:
+        if self.local is not None:
+            self.local.close()
         self.dispatcher.close(
             GrammarError("structured: the grammar provider shut down", "unavailable", 503)
         )
         if self._owns_service:
             self.service.close()
-
-
-def _schema_of(spec: GrammarSpec) -> dict[str, Any] | None:
-    if spec.kind == "json_schema":
-        return dict(spec.source)
-    if spec.kind == "json_object":
-        return {"type": "object"}
-    return None
 
 
 def _within(parent: Any, fn: Callable[..., T], *args: Any) -> T:
@@ -355,6 +358,14 @@ def _within(parent: Any, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     finally:
         otel_context.detach(token)
+
+
+def _compiled(found: _Resolved) -> CompiledGrammar:
+    return found.compiled
+
+
+def _built(compiled: CompiledGrammar) -> _Resolved:
+    return _Resolved(compiled, "compiled")
 
 
 def _grammar_error(exc: Exception, kind: str) -> GrammarError:
@@ -383,22 +394,3 @@ def _ended(inner: Future[_Resolved], span: Span) -> Future[CompiledGrammar]:
 
     inner.add_done_callback(end_span)  # first: the span has ended when the caller hears
     return then(inner, lambda r: r.compiled)
-
-
-def build_provider(
-    backend: XGrammarBackend,
-    workers: int,
-    redis_url: str | None = None,
-    config: CompilerConfig | None = None,
-) -> ServiceGrammarProvider:
-    """An engine's provider with its own compile service (offline use and one-process serving)."""
-    client = None
-    if redis_url:
-        import redis
-
-        client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    cfg = (config or CompilerConfig()).model_copy(update={"workers": workers})
-    if client is not None and cfg.verdict_secret is None:
-        cfg = cfg.model_copy(update={"verdict_secret": settings.verdict_secret()})
-    service = CompileService(backend.tokenizer_info, cfg, redis=client)
-    return ServiceGrammarProvider(backend, service, owns_service=True)

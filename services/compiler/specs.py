@@ -52,3 +52,12 @@ def to_structured(spec: GrammarSpec) -> StructuredOutput:
     if spec.kind in ("ebnf", "lark"):
         return StructuredOutput(grammar=spec.source, grammar_syntax=spec.kind)
     return StructuredOutput(structural_tag=spec.source)
+
+
+def schema_of(spec: GrammarSpec) -> dict[str, Any] | None:
+    """The schema a JSON output is validated against (None for other kinds)."""
+    if spec.kind == "json_schema":
+        return dict(spec.source)
+    if spec.kind == "json_object":
+        return {"type": "object"}
+    return None

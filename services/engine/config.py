@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from services import settings
+from services.engine.grammar.backends import check_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,6 +32,8 @@ class EngineConfig:
     # (the compile service); 0 compiles in-process with no guard (the plain twin, for tests).
     grammar_workers: int = 1
     grammar_redis_url: str | None = None  # the shared verdict cache; None: in-process only
+    # xgrammar, llguidance, or auto: the backend per grammar (services/engine/grammar/backends.py)
+    grammar_backend: str = "xgrammar"
     # KV host tier: pages of host memory that `quest` requests with offload=True park into;
     # 0: no tier (offload is refused). `kv_tier_tenant_pages` caps each tenant's share; None:
     # half the tier, so no one tenant can fill it.
@@ -67,6 +70,7 @@ class EngineConfig:
             raise ValueError("kv_tier_pages: must be >= 0")
         if self.grammar_workers < 0:
             raise ValueError("grammar_workers: must be >= 0")
+        check_name("grammar_backend", self.grammar_backend)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory: must be a positive number of bytes")
         for name in ("mask_budget_ms", "mask_strikes", "validation_timeout_s"):

@@ -67,6 +67,7 @@ class LLMEngine:
             overlap=config.overlap_masks,
             provider=grammar_provider,
             workers=config.grammar_workers,
+            grammar_backend=config.grammar_backend,
             redis_url=config.grammar_redis_url,
             mask_budget_ms=config.mask_budget_ms,
             mask_strikes=config.mask_strikes,

@@ -25,6 +25,9 @@ _STRUCTURED_KINDS = (
 )
 
 
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")  # services/engine/grammar/backends.py
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Constrains the output to a grammar: exactly one of the kinds below is set.
@@ -58,8 +61,13 @@ class StructuredOutput:
     max_whitespace_run: int = 64
     bound_numbers: bool = True
     max_repeat_run: int | None = 128
+    backend: str | None = None  # pins a grammar backend (GRAMMAR_BACKENDS); None: the engine's
 
     def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"structured.backend: {self.backend!r} is not one of xgrammar, llguidance"
+            )
         chosen = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(chosen) != 1:
             raise ValueError(

@@ -4,6 +4,9 @@ left to the context, chat template options."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import openai
 import pytest
 import requests
@@ -174,3 +177,27 @@ def test_unknown_routes_and_methods_answer_in_the_openai_shape(server):
     wrong = requests.get(f"{server}/v1/chat/completions", timeout=30)
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
     assert requests.get(f"{server}/health", timeout=30).status_code == 200
+
+
+def test_structured_outputs_can_pin_the_llguidance_backend(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for so in ({"regex": "[0-9]{3}"}, {"json": schema}):
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"structured_outputs": {**so, "backend": "llguidance"}},
+        )
+        text = out.choices[0].message.content
+        assert (
+            re.fullmatch("[0-9]{3}", text) if "regex" in so else isinstance(json.loads(text), dict)
+        )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "a", "backend": "outlines"}},
+        )
+    assert "backend" in err.value.body["message"]

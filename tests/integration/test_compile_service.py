@@ -57,7 +57,7 @@ def llm(loaded_model):
 
 @pytest.fixture(scope="module")
 def backend(llm) -> XGrammarBackend:
-    be = llm.engine.grammars.backend
+    be = llm.engine.grammars.backend.xgrammar
     assert isinstance(be, XGrammarBackend)
     return be
 

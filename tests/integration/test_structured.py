@@ -6,6 +6,7 @@ import json
 import re
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -223,3 +224,58 @@ def test_jump_forward_outputs_validate_and_save_forward_passes(loaded_model, mix
     # greedy, and retokenization canonical for these short forced spans: the same text
     same = sum(a.text == b.text for a, b in zip(jumped, outs, strict=True))
     assert same >= len(outs) - 2, [(a.text, b.text) for a, b in zip(jumped, outs, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def guided(loaded_model) -> LLM:
+    """`grammar_backend="llguidance"`, grammars built in the process (no compile workers)."""
+    return LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_backend="llguidance")
+
+
+def test_every_kind_with_llguidance_in_a_batch_mixing_backends(guided, loaded_model):
+    """The structural tag (xgrammar's format) pins xgrammar: its row shares the bitmask."""
+    cases = [
+        (q, replace(spec, backend="xgrammar") if kind == "tag" else spec, kind)
+        for q, spec, kind in CASES
+    ]
+    prompts = [prompt(guided, q) for q, _, _ in cases]
+    sps = [params(spec) for _, spec, _ in cases]
+    outs = guided.generate(prompts, sps)
+    for (_, _, kind), out in zip(cases, outs, strict=True):
+        assert out.finish_reason == "stop", (kind, out.text, out.warnings)
+        check(kind, out.text)
+    assert outs[0].validated is True and outs[1].validated is True
+    serial = LLM(
+        loaded=loaded_model,
+        kv_cache_memory=64 << 20,
+        grammar_backend="llguidance",
+        overlap_masks=False,
+    )
+    assert [o.token_ids for o in serial.generate(prompts, sps)] == [o.token_ids for o in outs]
+
+
+def test_llguidance_fidelity_warn_reports_and_strict_refuses(guided):
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
+    warn, strict = guided.generate(
+        [prompt(guided, "Three numbers as a JSON array.")] * 2,
+        [
+            params(StructuredOutput(json_schema=schema)),
+            params(StructuredOutput(json_schema=schema, fidelity="strict")),
+        ],
+    )
+    assert "#/uniqueItems: not enforced" in warn.warnings and warn.finish_reason == "stop"
+    assert strict.finish_reason == "error" and "cannot enforce" in strict.warnings[0]
+
+
+def test_auto_enforces_what_xgrammar_loosens(loaded_model):
+    """A length beside a pattern is loosened by xgrammar and enforced by llguidance: auto
+    takes llguidance, with the compile workers on (the default)."""
+    auto = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_backend="auto")
+    code = {"type": "string", "pattern": "^[a-z]+$", "minLength": 3, "maxLength": 5}
+    schema = {"type": "object", "properties": {"code": code}, "required": ["code"]}
+    out = auto.generate(
+        prompt(auto, "A JSON object with a short code."),
+        params(StructuredOutput(json_schema=schema, fidelity="strict")),
+    )[0]
+    assert out.finish_reason == "stop" and out.validated is True and not out.warnings
+    auto.engine.grammars.provider.shutdown()

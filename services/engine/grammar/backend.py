@@ -39,6 +39,7 @@ class CompiledGrammar:
     schema: dict[str, Any] | None = None  # for validating JSON outputs after decoding
     # built from `schema` on first use (grammar/validation.py); the exception if it could not be
     validator: Any = field(default=None, repr=False, compare=False)
+    backend: str = "xgrammar"  # the backend whose handle this is (grammar/backends.py)
 
 
 class GrammarState(Protocol):

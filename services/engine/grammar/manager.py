@@ -20,12 +20,12 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 
 from services.engine.boundary import RequestError
-from services.engine.grammar.backend import GrammarBackend, GrammarError
+from services.engine.grammar.backend import GrammarError
+from services.engine.grammar.backends import Backends
 from services.engine.grammar.finish import MAX_UNIT, repeated_unit
 from services.engine.grammar.masks import MaskFiller, PendingMasks
 from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider
 from services.engine.grammar.validation import OutputValidator
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
 from services.engine.params import FinishReason
 from services.engine.request import Request
 
@@ -64,7 +64,8 @@ class GrammarManager:
         max_rows: int,
         overlap: bool = True,
         provider: GrammarProvider | None = None,
-        backend: GrammarBackend | None = None,
+        backend: Backends | None = None,
+        grammar_backend: str = "xgrammar",
         workers: int = 0,
         redis_url: str | None = None,
         mask_budget_ms: float = 20.0,
@@ -77,6 +78,7 @@ class GrammarManager:
         self._max_rows = max_rows
         self._overlap = overlap
         self._backend = backend
+        self._backend_name = grammar_backend
         self._provider = provider
         self._workers = workers
         self._redis_url = redis_url
@@ -95,10 +97,12 @@ class GrammarManager:
         self.on_mask_fill: Callable[[float], None] | None = None
 
     @property
-    def backend(self) -> GrammarBackend:
-        # Built on first use: unconstrained traffic never pays for the tokenizer scan.
+    def backend(self) -> Backends:
+        # Each backend is built on first use: unconstrained traffic never scans the tokenizer.
         if self._backend is None:
-            self._backend = XGrammarBackend(self._tokenizer, self._vocab_size, self._stop_token_ids)
+            self._backend = Backends(
+                self._tokenizer, self._vocab_size, self._stop_token_ids, self._backend_name
+            )
         return self._backend
 
     def use_provider(self, provider: GrammarProvider) -> None:
@@ -111,10 +115,7 @@ class GrammarManager:
             if self._workers > 0:
                 from services.compiler import build_provider  # the service imports the engine
 
-                backend = self.backend
-                if not isinstance(backend, XGrammarBackend):
-                    raise TypeError("grammar_workers > 0 needs the xgrammar backend")
-                self._provider = build_provider(backend, self._workers, self._redis_url)
+                self._provider = build_provider(self.backend, self._workers, self._redis_url)
             else:
                 self._provider = LocalGrammarProvider(self.backend)
         return self._provider

@@ -1,0 +1,100 @@
+"""The grammar backends by name, behind one `GrammarBackend`: each grammar compiles with the
+backend its request pins (`StructuredOutput.backend`), else the engine's (`grammar_backend`).
+
+`auto` picks per grammar:
+- JSON (`json_schema`, `json_object`): llguidance when it enforces every keyword of the schema
+  (no compile step: its first mask takes milliseconds where xgrammar compiles for up to seconds),
+  else xgrammar when it does, else the one that loosens fewer keywords (the loosened ones are in
+  `warnings`; `fidelity="strict"` refuses the schema only when both would loosen it).
+- regex, choice, EBNF/Lark grammars and structural tags: xgrammar, whose dialects our docs and
+  callers use (llguidance reads `\\d` as any Unicode digit, and has no structural tags of that
+  format).
+Both backends fill the same 32-bit bitmask layout, so rows of either share one bitmask and one
+apply, and a batch may mix them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from services.engine.grammar.backend import CompiledGrammar, GrammarError, GrammarState
+from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.engine.params import GRAMMAR_BACKENDS
+
+BACKENDS = (*GRAMMAR_BACKENDS, "auto")  # a request pins one of the first two
+
+
+def check_name(field: str, name: str | None) -> None:
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"{field}: {name!r} is not one of {', '.join(BACKENDS)}")
+
+
+class Backends:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        default: str = "xgrammar",
+        xgrammar: XGrammarBackend | None = None,
+    ) -> None:
+        check_name("grammar_backend", default)
+        self.default = default
+        self.vocab_size = vocab_size
+        self._args = (tokenizer, vocab_size, stop_token_ids)
+        self._xgrammar = xgrammar
+        self._llguidance: Any = None
+
+    # Each built on first use: unconstrained traffic never pays for a tokenizer scan.
+    @property
+    def xgrammar(self) -> XGrammarBackend:
+        if self._xgrammar is None:
+            self._xgrammar = XGrammarBackend(*self._args)
+        return self._xgrammar
+
+    @property
+    def llguidance(self) -> Any:
+        if self._llguidance is None:
+            from services.engine.grammar.llguidance_backend import LLGuidanceBackend
+
+            self._llguidance = LLGuidanceBackend(*self._args)
+        return self._llguidance
+
+    def get(self, name: str) -> Any:
+        return self.llguidance if name == "llguidance" else self.xgrammar
+
+    def compile(self, spec: Any) -> CompiledGrammar:
+        name = getattr(spec, "backend", None) or self.default
+        if name == "auto":
+            return self._auto(spec)
+        return self.get(name).compile(spec)
+
+    def _auto(self, spec: Any) -> CompiledGrammar:
+        if spec.json_schema is None and not spec.json_object:
+            return self.xgrammar.compile(spec)
+        warn = replace(spec, fidelity="warn")  # each backend's report, strict judged here
+        try:
+            guided = self.llguidance.compile(warn)
+        except GrammarError:  # llguidance cannot build it: xgrammar decides alone
+            return self.xgrammar.compile(spec)
+        if not guided.warnings:
+            return guided
+        compiled = self.xgrammar.compile(warn)
+        if compiled.warnings and spec.fidelity == "strict":
+            return self.xgrammar.compile(spec)  # raises: neither enforces every keyword
+        if compiled.warnings and len(guided.warnings) <= len(compiled.warnings):
+            return guided
+        return compiled
+
+    def new_state(self, compiled: CompiledGrammar) -> GrammarState:
+        state: GrammarState = self.get(compiled.backend).new_state(compiled)
+        return state
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return self.xgrammar.allocate_bitmask(rows)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        self.xgrammar.apply_bitmask(logits, bitmask, rows)

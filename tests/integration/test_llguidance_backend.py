@@ -1,0 +1,127 @@
+"""The llguidance backend against xgrammar's on the real tokenizer: the same masks where both
+enforce the same language, accept / terminate / roll back, jump-forward text, and refusals by
+name (what llguidance cannot enforce is an error, not a loosened grammar)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.grammar.backend import GrammarError
+from services.engine.grammar.llguidance_backend import LLGuidanceBackend, _utf8_prefix
+from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.engine.params import StructuredOutput
+
+
+@pytest.fixture(scope="module")
+def backends(loaded_model):
+    tok = loaded_model.tokenizer
+    vocab = int(loaded_model.model.config.vocab_size)
+    stop = [tok.eos_token_id]
+    return LLGuidanceBackend(tok, vocab, stop), XGrammarBackend(tok, vocab, stop)
+
+
+def allowed(backend, state) -> torch.Tensor:
+    mask = backend.allocate_bitmask(1)
+    state.fill_bitmask(mask, 0)
+    bits = torch.arange(32, dtype=torch.int32)
+    return ((mask[0, :, None] >> bits) & 1).reshape(-1)[: backend.vocab_size].bool()
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        # `[0-9]`, not `\d`: llguidance's `\d` is any Unicode digit, xgrammar's ASCII only
+        (StructuredOutput(regex=r"[0-9]{3}-[0-9]{4}"), "555-1234"),
+        (StructuredOutput(choice=["red", "green", "blue"]), "green"),
+        (StructuredOutput(grammar='root ::= "yes" | "no"'), "no"),
+    ],
+)
+def test_the_same_language_gives_the_same_masks_step_by_step(backends, tokenizer, spec, text):
+    llg, xg = backends
+    a, b = llg.new_state(llg.compile(spec)), xg.new_state(xg.compile(spec))
+    for token in [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]:
+        assert torch.equal(allowed(llg, a), allowed(xg, b))
+        assert a.accept_token(token) and b.accept_token(token)
+    assert a.is_terminated() and b.is_terminated()
+
+
+def test_a_schema_output_is_accepted_and_an_invalid_token_refused(backends, tokenizer):
+    llg, _ = backends
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+    }
+    compiled = llg.compile(StructuredOutput(json_schema=schema))
+    assert compiled.schema is not None
+    state = llg.new_state(compiled)
+    ids = tokenizer.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)
+    for token in ids:
+        assert allowed(llg, state)[token] and state.accept_token(token)
+    assert not allowed(llg, state)[tokenizer.encode(",", add_special_tokens=False)[0]]
+    assert state.accept_token(tokenizer.eos_token_id) and state.is_terminated()
+    state.rollback(2)  # the end-of-sequence (not recorded by llguidance) and the `}`
+    assert not state.is_terminated() and allowed(llg, state)[ids[-1]]
+
+
+def test_compact_json_allows_no_whitespace(backends, tokenizer):
+    llg, _ = backends
+    spec = StructuredOutput(json_schema={"type": "object"}, compact=True)
+    state = llg.new_state(llg.compile(spec))
+    state.accept_token(tokenizer.encode("{", add_special_tokens=False)[0])
+    space = tokenizer.encode(" ", add_special_tokens=False)[0]
+    assert not allowed(llg, state)[space]
+
+
+def test_jump_forward_gives_the_forced_text(backends):
+    llg, _ = backends
+    spec = StructuredOutput(
+        json_schema={
+            "type": "object",
+            "properties": {"colour": {"enum": ["teal"]}},
+            "required": ["colour"],
+        },
+        compact=True,
+    )
+    assert llg.new_state(llg.compile(spec)).jump_forward() == '{"colour":"teal"}'  # closed
+    assert _utf8_prefix("é".encode()[:1]) == "" and _utf8_prefix("aé".encode()) == "aé"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (
+            StructuredOutput(json_schema={"type": "array", "uniqueItems": True}, fidelity="strict"),
+            "#/uniqueItems: not enforced",
+        ),
+        (StructuredOutput(regex="(unclosed"), "structured.regex"),
+        (StructuredOutput(grammar="start: undefined_rule"), "structured.grammar"),
+        (StructuredOutput(structural_tag={"type": "structural_tag"}), "structural_tag"),
+    ],
+)
+def test_what_it_cannot_enforce_or_parse_is_refused_by_name(backends, spec, field):
+    llg, _ = backends
+    with pytest.raises(GrammarError, match=field):
+        llg.compile(spec)
+
+
+def test_keywords_it_cannot_enforce_are_listed_under_warn(backends):
+    llg, _ = backends
+    schema = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+    compiled = llg.compile(StructuredOutput(json_schema={**schema, "uniqueItems": True}))
+    assert sorted(compiled.warnings) == [
+        "#/properties/a/not: not enforced",  # the fidelity report's wording and paths
+        "#/uniqueItems: not enforced",
+    ]
+
+
+def test_strict_mode_closes_objects_that_list_properties(backends, tokenizer):
+    llg, _ = backends
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for strict, extra_allowed in ((True, False), (False, True)):
+        state = llg.new_state(llg.compile(StructuredOutput(json_schema=schema, strict=strict)))
+        for token in tokenizer.encode('{"a": 1', add_special_tokens=False):
+            assert state.accept_token(token)
+        comma = tokenizer.encode(",", add_special_tokens=False)[0]
+        assert bool(allowed(llg, state)[comma]) is extra_allowed
