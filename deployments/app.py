@@ -34,8 +34,8 @@ def _options(b: Backpressure, **actor: Any) -> dict[str, Any]:
     }
 
 
-def _router(routing: RoutingConfig) -> dict[str, Any]:
-    if routing.policy == "power_of_two":
+def _router(routing: RoutingConfig, replicas: int) -> dict[str, Any]:
+    if routing.policy == "power_of_two" or replicas < 2:  # one replica: nothing to choose
         return {}
     router = RequestRouterConfig.model_validate(
         {
@@ -53,7 +53,9 @@ def build_app(args: dict[str, Any] | ServiceConfig) -> Application:
     cfg = args if isinstance(args, ServiceConfig) else ServiceConfig.model_validate(args or {})
     plain = cfg.model_dump(mode="json")
     grammar = serve.deployment(name="GrammarService", **_options(cfg.grammar))(GrammarService)
-    llm_options = _options(cfg.llm, num_gpus=cfg.llm.num_gpus) | _router(cfg.llm.routing)
+    llm_options = _options(cfg.llm, num_gpus=cfg.llm.num_gpus) | _router(
+        cfg.llm.routing, cfg.llm.num_replicas
+    )
     llm = serve.deployment(name="LLMReplica", **llm_options)(LLMReplica)
     ingress = serve.deployment(name="Ingress", **_options(cfg.ingress))(Ingress)
     hub = None

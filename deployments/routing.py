@@ -15,8 +15,9 @@ length cache: requests in flight to it) loses its rank to the next replica in th
 hot prefix spills over to one second replica, not to all of them. Ray picks, rank by rank, the
 first replica whose queue is not full.
 
-Tenant-aware like the cache itself: the key includes the tenant, so two tenants with the same
-system prompt need not meet on one replica (their pages are never shared anyway).
+Installed only with several LLM replicas (deployments/app.py): with one there is nothing to
+choose. Tenant-aware like the cache itself: the key includes the tenant, so two tenants with the
+same system prompt need not meet on one replica (their pages are never shared anyway).
 Ray Serve LLM's `PrefixCacheAffinityRouter` keeps a prefix tree of every prompt in one actor and
 asks it twice per request; rendezvous on the prefix gets the affinity without that round trip.
 """
@@ -28,7 +29,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 MAX_KEY_CHARS = 1 << 16  # a huge first message is hashed up to here (the key stays the same)
 
@@ -70,7 +72,10 @@ def rank(
     return near + [r for r in order if r not in near]
 
 
-class PrefixAffinityRouter(RequestRouter):
+class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray's default router (FIFO fulfilment, locality, power of two choices) for requests with
+    no affinity key; ranked by the key otherwise."""
+
     def initialize_state(self, **kwargs: Any) -> None:
         """`RoutingConfig`'s `prefix_chars` and `max_load_gap` (deployments/app.py)."""
         self.prefix_chars = int(kwargs.get("prefix_chars", 2048))
@@ -85,7 +90,7 @@ class PrefixAffinityRouter(RequestRouter):
         if pending_request is not None and pending_request.args:
             key = affinity_key(pending_request.args, self.prefix_chars)
         if key is None or len(candidate_replicas) < 2:
-            return [candidate_replicas]  # the least loaded of them
+            return await super().choose_replicas(candidate_replicas, pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         cache = self.replica_queue_len_cache
         loads = {}
