@@ -7,7 +7,9 @@ The pages and their keys live in `kvcache.prefix`; this file decides, per reques
   `sinks`, `h2o`, `snapkv`: `Policy.shares_pages`) has no root: it neither reads nor feeds.
 - what it maps, before its first chunk (and before its recompute after a preemption): its
   longest cached run of full pages, short of its last token, which is always computed so that its
-  logits exist. A request asking for prompt logprobs maps nothing (they need every prompt row).
+  logits exist. A request asking for prompt logprobs maps nothing (they need every prompt row),
+  nor does an offloaded Quest request: the pages it mapped would all be resident, where it keeps
+  only a few (it still feeds the cache with the pages not yet parked when they are offered).
 - whether it waits: when the page after its cached run is one a running request is computing now
   (a burst of requests with one new system prompt), it stays queued until that page is cached
   rather than computing the same prefix beside it (SGLang's in-batch prefix check). It never
@@ -79,6 +81,8 @@ class PrefixCache:
         root = req.cache_root
         if root is None or req.pages or req.num_computed_tokens or req.params.prompt_logprobs:
             return 0
+        if req.kv_state is not None and req.kv_state.tier is not None:
+            return 0  # offloaded: mapped pages would all be resident, what the tier avoids
         usable = (req.num_tokens - 1) // self.page_size  # the last token is always computed
         extend_keys(req.page_keys, root, req.token_ids, self.page_size, usable)
         pages = self.allocator.match(req.page_keys[:usable])

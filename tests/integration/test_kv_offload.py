@@ -3,6 +3,8 @@ than the device pool, bounded device pages, full host store, tenant caps and can
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvcache.pages import pages_needed
@@ -190,7 +192,8 @@ def test_preempted_offloaded_requests_recompute_to_the_same_tokens(tiered, roomy
     ids, long = prompt(tiered, 600), prompt(tiered, 420)
     before = engine.scheduler.num_preemptions
     # a dense request's pages cannot be parked: as it grows, an offloaded request is preempted
-    params = [greedy(quest, 40), greedy(quest, 40), greedy(None, 60)]
+    # (a salt of its own: mapping the others' cached prefix would spare the pages it must hold)
+    params = [greedy(quest, 40), greedy(quest, 40), replace(greedy(None, 60), cache_salt="own")]
     outs = tiered.generate([ids, ids, long], params)
     assert engine.scheduler.num_preemptions > before
     resident = roomy.generate(ids, greedy(KVPolicy(kind="quest", budget_tokens=96), 40))[0]

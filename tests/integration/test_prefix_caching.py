@@ -127,7 +127,7 @@ def test_every_kv_policy_gives_the_same_tokens(cached, plain, name):
     assert after.token_ids == plain.generate(prompt, greedy(12))[0].token_ids
 
 
-def test_offloaded_quest_maps_and_feeds_the_cache(loaded_model):
+def test_offloaded_quest_feeds_the_cache_and_maps_nothing(loaded_model):
     def tiered(caching: bool) -> LLM:
         return LLM(
             loaded=loaded_model,
@@ -144,11 +144,13 @@ def test_offloaded_quest_maps_and_feeds_the_cache(loaded_model):
     # one at a time: the tenant's share of the tier holds two such requests
     expected = [off.generate(p, greedy(10, kv=quest))[0].token_ids for p in prompts]
     first = on.generate(prompts[0], greedy(10, kv=quest))[0]  # parks its cold pages
-    dense = on.generate(prompts[1], greedy(10))[0]  # maps what stayed cached
+    dense = on.generate(prompts[1], greedy(10))[0]  # maps what it offered before parking
     again = on.generate(prompts[2], greedy(10, kv=quest))[0]
     assert [first.token_ids, again.token_ids] == [expected[0], expected[2]]
     assert dense.token_ids == off.generate(prompts[1], greedy(10))[0].token_ids
-    assert again.metrics.num_cached_tokens > 0
+    assert dense.metrics.num_cached_tokens > 0
+    # mapped pages would all be resident: an offloaded request computes its prompt
+    assert again.metrics.num_cached_tokens == 0
     tier = on.engine.kv_tier
     assert tier is not None and tier.pages_in_use == 0
     assert on.engine.runner.kv.allocator.num_free == on.engine.runner.kv.num_pages
