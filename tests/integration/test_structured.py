@@ -118,7 +118,9 @@ def test_a_bad_grammar_fails_alone_with_the_reason(llm):
     assert outs[1].finish_reason == "stop" and outs[1].text == "red"
 
 
-def test_fidelity_warn_reports_and_strict_refuses(llm):
+@pytest.mark.parametrize("engine", ["llm", "guided"])  # xgrammar, then llguidance
+def test_fidelity_warn_reports_and_strict_refuses(request, engine):
+    llm = request.getfixturevalue(engine)
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
     warn, strict = llm.generate(
         [prompt(llm, "Three numbers as a JSON array.")] * 2,
@@ -252,19 +254,6 @@ def test_every_kind_with_llguidance_in_a_batch_mixing_backends(guided, loaded_mo
         overlap_masks=False,
     )
     assert [o.token_ids for o in serial.generate(prompts, sps)] == [o.token_ids for o in outs]
-
-
-def test_llguidance_fidelity_warn_reports_and_strict_refuses(guided):
-    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
-    warn, strict = guided.generate(
-        [prompt(guided, "Three numbers as a JSON array.")] * 2,
-        [
-            params(StructuredOutput(json_schema=schema)),
-            params(StructuredOutput(json_schema=schema, fidelity="strict")),
-        ],
-    )
-    assert "#/uniqueItems: not enforced" in warn.warnings and warn.finish_reason == "stop"
-    assert strict.finish_reason == "error" and "cannot enforce" in strict.warnings[0]
 
 
 def test_auto_enforces_what_xgrammar_loosens(loaded_model):
