@@ -101,6 +101,7 @@ def build_job(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": 2048,
         "seed": args.seed,
         "vllm_enforce_eager": args.vllm_enforce_eager,
+        "structserve_args": json.loads(args.structserve_args),
         "warm_prompt": chat("Say hello."),
         "workloads": workloads,
     }
@@ -282,6 +283,20 @@ def print_table(table: dict) -> None:
             print(f"JSON outputs that parse and validate, {engine}: {counts} (per run)")
 
 
+def print_solo(engine: str, results: list[dict], job: dict) -> None:
+    """One engine's figures per run (no peer, no ratio): for timing our own flags."""
+    for name, reqs in job["workloads"].items():
+        key = "seconds_per_token" if name == "single" else "tokens_per_second"
+        vals = ", ".join(f"{r[name][key]:.4g}" for r in results)
+        extra = ""
+        if name == "json":
+            extra = "; valid " + ", ".join(
+                f"{v['valid']}/{v['of']}"
+                for v in (validate(r[name]["outputs"], reqs) for r in results)
+            )
+        print(f"{engine} {name}: {key} {vals}{extra}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -298,6 +313,16 @@ def main() -> None:
         action="store_true",
         help="LD_PRELOAD tcmalloc and Intel OpenMP for vLLM, as its CPU guide advises",
     )
+    p.add_argument(
+        "--structserve-args",
+        default="{}",
+        help="more LLM(...) settings as JSON, e.g. '{\"packed_weights\": false}' (a plain twin)",
+    )
+    p.add_argument(
+        "--engines",
+        default="structserve,vllm",
+        help="structserve alone times our flags without the peer's 2-minute start (no ratios)",
+    )
     p.add_argument("--run-timeout", type=float, default=3600.0)
     args = p.parse_args()
 
@@ -309,22 +334,28 @@ def main() -> None:
         p.error("--repeats and --requests must be >= 1")
     if not 1 <= args.threads <= (os.cpu_count() or 1):
         p.error(f"--threads: 1 to {os.cpu_count()}")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not engines or set(engines) - set(PYTHONS):
+        p.error(f"--engines: choose from {', '.join(PYTHONS)}")
     for engine, python in PYTHONS.items():
-        if not python.is_file():
+        if engine in engines and not python.is_file():
             sys.exit(
                 f"{engine} needs {python}: run `make {'peer' if engine == 'vllm' else 'setup'}`"
             )
     sys.path.insert(0, str(ROOT))
     job = build_job(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {"structserve": [], "vllm": []}
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as tmp:
         job_path = Path(tmp) / "job.json"
         job_path.write_text(json.dumps(job))
-        order = run_order(args.repeats)
+        order = [e for e in run_order(args.repeats) if e in engines]
         for i, engine in enumerate(order, 1):
             log(f"run {i}/{len(order)}: {engine}")
             runs[engine].append(run_worker(engine, job_path, args))
+    if len(engines) == 1:
+        print_solo(engines[0], runs[engines[0]], job)
+        return
     table = summarize(runs, job)
     result = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -40,6 +40,7 @@ def structserve_engine(job: dict) -> tuple[Any, Any, dict]:
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=job["max_num_batched_tokens"],
         seed=job["seed"],
+        **job.get("structserve_args", {}),
     )
 
     def params(r: dict) -> SamplingParams:

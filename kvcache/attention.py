@@ -86,6 +86,21 @@ class ShortQueries:
     quest: QuestRead | None = None
     collect: CollectRead | None = None
     host: HostRead | None = None
+    # [R] each row's first query: its cache index and packed index; [R] its query count (what
+    # the in-place kernel reads instead of `mask`)
+    starts: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    num_queries: torch.Tensor | None = None
+
+    def in_place(self, kv: PagedKVCache) -> bool:
+        """Whether the kernel reads this group's pages where they lie (dense rows, all resident)."""
+        return (
+            kv.kernel is not None
+            and self.collect is None
+            and self.host is None
+            and self.starts is not None
+            and kv.keys.dtype == torch.float32
+        )
 
 
 @dataclass
@@ -200,8 +215,9 @@ def paged_attention_forward(
         kv.scores[layer].index_fill_(1, batch.zero_slots, 0.0)
 
     q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: o_proj's input
     gqa = query.shape[1] != key.shape[1]
+    q_packed: torch.Tensor | None = None  # q contiguous, for the kernel
 
     def attend(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor, mask: Any) -> torch.Tensor:
         if variant.softcap is not None:
@@ -211,14 +227,20 @@ def paged_attention_forward(
         )
 
     for g, s in enumerate(batch.short):
-        rows = s.token_index.shape[0]
-        qs = q[s.token_index].transpose(1, 2)  # [R, H, Qmax, D]
         quest = s.quest
-        if (
+        by_quest = (
             quest is not None
             and layer >= quest.dense_layers
             and quest.k < quest.page_table.shape[1]
-        ):
+        )
+        if not by_quest and s.in_place(kv):
+            q_packed = q.contiguous() if q_packed is None else q_packed
+            _kernel_attention(kv, layer, q_packed, out, s, scaling, variant)
+            continue
+        rows = s.token_index.shape[0]
+        qs = q[s.token_index].transpose(1, 2)  # [R, H, Qmax, D]
+        if by_quest:
+            assert quest is not None
             o = _quest_attention(kv, layer, qs, quest, scaling)
         else:  # every page (Quest too when its budget covers every page: the exact twin)
             ks, vs = _gather(kv, layer, s.page_index, rows, s.host)
@@ -251,6 +273,36 @@ def paged_attention_forward(
         if lq.collect is not None and lq.collect.mode == "observe":
             _observe(kv, layer, ql, kl, vl, lq.mask, lq.collect, scaling)
     return out[None], None
+
+
+def _kernel_attention(
+    kv: PagedKVCache,
+    layer: int,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    s: ShortQueries,
+    scaling: float | None,
+    variant: variants.LayerVariant,
+) -> None:
+    """The group's queries attend to their pages in place; results land in `out` directly."""
+    assert kv.kernel is not None and s.starts is not None
+    assert s.offsets is not None and s.num_queries is not None
+    rows = s.starts.shape[0]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    kv.kernel.short(
+        q,
+        out,
+        kv.keys[layer],
+        kv.values[layer],
+        s.page_index.view(rows, -1),
+        s.starts,
+        s.num_queries,
+        s.offsets,
+        kv.page_size,
+        scale,
+        variant.window,
+        variant.softcap,
+    )
 
 
 def _update_bounds(kv: PagedKVCache, layer: int, keys: torch.Tensor, upd: BoundsUpdate) -> None:

@@ -160,7 +160,17 @@ def _short_queries(
         collect = CollectRead(plan.collect, key_slots, q_weight, plan.kernel_size)
     host = _host_read(page_index, num_pages)
     return ShortQueries(
-        token_index, src_index, dst_index, page_index.flatten(), mask, quest, collect, host
+        token_index,
+        src_index,
+        dst_index,
+        page_index.flatten(),
+        mask,
+        quest,
+        collect,
+        host,
+        starts,
+        torch.tensor(offsets),
+        nq,
     )
 
 

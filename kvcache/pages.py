@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from kvcache.native import PagedKernel, advise_huge_pages
+
 
 class OutOfPages(RuntimeError):
     """Raised when an allocation asks for more pages than are free (the scheduler checks first)."""
@@ -151,6 +153,8 @@ class PagedKVCache:
         # Post-RoPE keys: every policy that scores keys (Quest bounds, SnapKV) wants them rotated.
         self.keys = torch.empty(shape, dtype=layout.dtype, device=device)
         self.values = torch.empty(shape, dtype=layout.dtype, device=device)
+        for pool in (self.keys, self.values):
+            advise_huge_pages(pool)  # before the first write: 2 MiB pages where the OS allows
         self.allocator = allocator(num_pages, on_first_use=self._zero_pages)
         self._zero_pages([0])  # page 0 pads every gather
         self._workspace = torch.empty(0, dtype=layout.dtype, device=device)
@@ -164,6 +168,9 @@ class PagedKVCache:
         self.bounds_min = torch.empty(0, dtype=layout.dtype, device=device)
         self.bounds_max = torch.empty(0, dtype=layout.dtype, device=device)
         self.host: HostPages | None = None
+        # Short queries read pages in place through this kernel (kvcache/native.py) when set;
+        # None: they gather pages into the workspace and run SDPA (the plain twin).
+        self.kernel: PagedKernel | None = None
 
     def attach_host(self, host: HostPages) -> None:
         """Page id `num_pages + s` now names host slot `s` (a parked page)."""
@@ -207,10 +214,12 @@ class PagedKVCache:
         return self._workspace[:per].view(shape), self._workspace[per : 2 * per].view(shape)
 
     def _zero_pages(self, pages: list[int]) -> None:
-        ps = self.layout.page_size
-        for p in pages:
-            self.keys[:, :, p * ps : (p + 1) * ps].zero_()
-            self.values[:, :, p * ps : (p + 1) * ps].zero_()
+        if not pages:
+            return
+        index = torch.tensor(pages, device=self.device)
+        for pool in (self.keys, self.values):  # one fill per pool, not one per page and layer
+            layers, heads = pool.shape[:2]
+            pool.view(layers, heads, self.num_pages, -1).index_fill_(2, index, 0.0)
 
     @property
     def page_size(self) -> int:

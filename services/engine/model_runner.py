@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
-from kvcache import attention, policies, variants
+from kvcache import attention, native, policies, variants
 from kvcache.batch import SeqSlice, build_paged_batch
 from kvcache.pages import KVLayout, PageAllocator, PagedKVCache
 from kvcache.prefix import PrefixCachingAllocator
+from services import settings
 from services.engine.config import EngineConfig
 from services.engine.request import Request
 from services.engine.scheduler import ScheduledChunk
-from services.models import LoadedModel, load_model
+from services.models import LoadedModel, load_model, packed
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class ModelRunner:
         budget = config.kv_budget_bytes(self.device)
         allocator = PrefixCachingAllocator if config.enable_prefix_caching else PageAllocator
         self.kv = PagedKVCache(layout, layout.pages_for_budget(budget), self.device, allocator)
+        if config.inplace_attention and self.device.type == "cpu" and self.dtype == torch.float32:
+            self.kv.kernel = native.load(settings.cache_dir() / "kernels")
         log.info(
             "KV pool: %d pages of %d tokens (%.1f MiB, %d bytes per token)",
             self.kv.num_pages,
@@ -55,7 +59,9 @@ class ModelRunner:
             layout.bytes_per_token,
         )
 
-        self.attention = self._probe()
+        with packed.sibling_inputs(self.model) as siblings:
+            self.attention = self._probe()
+        self.packed = config.packed_weights and packed.pack_linears(self.model, siblings) > 0
         self.rotate = rope_rotation(self.model)
 
     @torch.inference_mode()
@@ -125,7 +131,7 @@ class ModelRunner:
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
-        with attention.stepping(batch):
+        with attention.stepping(batch), self._products():
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -136,6 +142,9 @@ class ModelRunner:
         if scored:
             _record_prompt_logprobs(logits[len(sample_rows) :], scored)
         return logits[: len(sample_rows)]
+
+    def _products(self) -> contextlib.AbstractContextManager[None]:
+        return packed.packed_products() if self.packed else contextlib.nullcontext()
 
     @torch.inference_mode()
     def compact(self, req: Request) -> list[int]:

@@ -51,9 +51,10 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def usable_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[S] bool: no NaN, no +inf, and at least one token allowed (-inf is a masked token)."""
-    bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
-    return ~bad & (logits > float("-inf")).any(dim=-1)
+    """[S] bool: no NaN, no +inf, and at least one token allowed (-inf is a masked token).
+
+    One pass: a row's maximum is NaN if any entry is, +inf if any is, -inf if all are."""
+    return torch.isfinite(logits.amax(dim=-1))
 
 
 def _logprobs(

@@ -125,3 +125,23 @@ def test_repetition_penalty_and_min_tokens_equal_hf_generate(loaded_model, promp
     assert [o.token_ids for o in outs[4:]] == [
         o.token_ids for o in llm.generate(prompts[:2], plain)
     ]
+
+
+@pytest.mark.parametrize(
+    "twin",
+    [{"packed_weights": False}, {"inplace_attention": False}],
+    ids=["plain-linears", "gathered-attention"],
+)
+def test_the_plain_twins_of_the_fast_paths_equal_hf_generate(
+    loaded_model, prompts, hf_tokens, twin
+):
+    """The default run above has packed weights and in-place attention (on CPU); each plain twin
+    gives the same tokens, with preemption in play."""
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    pages = 2 * (-(-longest // PS)) + 2
+    bytes_per_page = loaded_model.model.config.num_hidden_layers * 2 * 3 * 64 * 4 * PS
+    llm, tokens = run(loaded_model, prompts, kv_cache_memory=pages * bytes_per_page, **twin)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert (llm.engine.runner.kv.kernel is None) == (twin.get("inplace_attention") is False)
+    assert llm.engine.runner.packed == twin.get("packed_weights", True)
+    assert tokens == hf_tokens

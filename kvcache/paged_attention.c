@@ -1,0 +1,185 @@
+/* Attention of short queries (decode tokens, jump-forward spans) reading the paged KV pool in
+ * place, on CPU: kvcache/native.py builds this file once per machine and calls it through ctypes.
+ *
+ * The plain path copies every page a row reads into a workspace and runs SDPA over the copy:
+ * three passes over the cache per layer where this makes one. Each (row, KV head) is one task,
+ * which serves every query head of that KV head (GQA) from one read of each key and value page
+ * (with too few rows to keep the threads busy, each query head is a task of its own).
+ * Two passes per query (scores, then the weighted values) with an exact softmax: the same sums
+ * as SDPA up to their order and the last bits of exp.
+ *
+ * Layouts (float32, contiguous): q and out [T, H, D] (packed tokens); k_cache and v_cache
+ * [KVH, slots, D] (slot = page * page_size + offset); page_table [R, max_pages].
+ * Query j of row r is packed token offsets[r] + j and sees cache entries 0 .. starts[r] + j,
+ * the last `window` of them when window > 0; softcap > 0 passes scores through
+ * tanh(s / cap) * cap (Gemma 2).
+ *
+ * With AVX-512 (the build uses -march=native) scores are computed 16 keys at a time, reduced
+ * together instead of one horizontal sum per key, and exp is vectorized; elsewhere plain loops.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define BLOCK 16 /* keys scored together */
+
+/* out[j] = q . k[j] for j < n <= BLOCK (rows of k `dim` apart) */
+static void dots_plain(const float *q, const float *k, int64_t n, int64_t dim, float *out) {
+    for (int64_t j = 0; j < n; ++j) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) s += q[d] * k[j * dim + d];
+        out[j] = s;
+    }
+}
+
+#ifdef __AVX512F__
+static void dots(const float *q, const float *k, int64_t n, int64_t dim, float *out) {
+    if (dim % 16) {
+        dots_plain(q, k, n, dim, out);
+        return;
+    }
+    __m512 v[BLOCK];
+    for (int j = 0; j < BLOCK; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < n)
+            for (int64_t d = 0; d < dim; d += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + j * dim + d), a);
+        v[j] = a;
+    }
+    /* 16 vectors -> one vector of their 16 sums: pairs within 128-bit lanes, then lanes */
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; ++i)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                              _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88),
+                              _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), r);
+}
+
+/* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial, scaled by 2^n. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#else
+#define dots dots_plain
+#endif
+
+/* scores[g * n + i] <- softmax over i of query head g's scores (n = seen - first) */
+static void softmax_rows(float *scores, int64_t group, int64_t n) {
+    for (int64_t g = 0; g < group; ++g) {
+        float *row = scores + g * n, top = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < n; ++i) top = row[i] > top ? row[i] : top;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        __m512 sum = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(top)));
+            _mm512_storeu_ps(row + i, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        total = _mm512_reduce_add_ps(sum);
+#endif
+        for (; i < n; ++i) {
+            row[i] = expf(row[i] - top);
+            total += row[i];
+        }
+        float inv = 1.0f / total;
+        for (i = 0; i < n; ++i) row[i] *= inv;
+    }
+}
+
+/* Query j of a row, for the `group` query heads sharing one KV head. */
+static void one_query(const float *q, float *out, const float *kh, const float *vh,
+                      const int64_t *pages, int64_t first, int64_t seen, int64_t group,
+                      int64_t dim, int64_t page_size, float scale, float softcap, float *scores) {
+    int64_t n = seen - first;
+    /* runs of keys inside one page, at most BLOCK long: no division per key */
+    for (int64_t i = first; i < seen;) {
+        int64_t in_page = (i / page_size + 1) * page_size;
+        int64_t end = in_page < seen ? in_page : seen;
+        end = end - i > BLOCK ? i + BLOCK : end;
+        const float *k = kh + (pages[i / page_size] * page_size + i % page_size) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+            float *s = scores + g * n + i - first;
+            dots(q + g * dim, k, end - i, dim, s);
+            for (int64_t j = 0; j < end - i; ++j) {
+                s[j] *= scale;
+                if (softcap > 0.0f) s[j] = tanhf(s[j] / softcap) * softcap;
+            }
+        }
+        i = end;
+    }
+    softmax_rows(scores, group, n);
+    for (int64_t d = 0; d < group * dim; ++d) out[d] = 0.0f;
+    for (int64_t i = first; i < seen;) {
+        int64_t end = (i / page_size + 1) * page_size;
+        end = end < seen ? end : seen;
+        const float *v = vh + (pages[i / page_size] * page_size + i % page_size) * dim;
+        for (; i < end; ++i, v += dim) {
+            for (int64_t g = 0; g < group; ++g) {
+                float p = scores[g * n + i - first], *o = out + g * dim;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) o[d] += p * v[d];
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when a scores buffer could not be allocated (nothing is then trusted). */
+int paged_attention_short(const float *q, float *out, const float *k_cache,
+                          const float *v_cache, int64_t slots, const int64_t *page_table,
+                          int64_t max_pages, const int64_t *starts, const int64_t *num_queries,
+                          const int64_t *offsets, int64_t rows, int64_t heads, int64_t kv_heads,
+                          int64_t dim, int64_t page_size, float scale, int64_t window,
+                          float softcap, int num_threads) {
+    int64_t group = heads / kv_heads;
+    /* Few rows (one request decoding): a task per query head instead, so every thread has work;
+     * the heads of one KV head then read its pages once each, mostly from cache. */
+    int64_t split = rows * kv_heads < 4 * num_threads ? group : 1, per = group / split;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t t = 0; t < rows * kv_heads * split; ++t) {
+        int64_t r = t / (kv_heads * split), kvh = t / split % kv_heads, part = t % split;
+        int64_t last = starts[r] + num_queries[r];
+        float *scores = malloc((size_t)(per * (last > 0 ? last : 1)) * sizeof(float));
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+        const int64_t *pages = page_table + r * max_pages;
+        const float *kh = k_cache + kvh * slots * dim;
+        const float *vh = v_cache + kvh * slots * dim;
+        for (int64_t j = 0; j < num_queries[r]; ++j) {
+            int64_t seen = starts[r] + j + 1;
+            int64_t first = (window > 0 && seen > window) ? seen - window : 0;
+            int64_t at = ((offsets[r] + j) * heads + kvh * group + part * per) * dim; /* [T,H,D] */
+            one_query(q + at, out + at, kh, vh, pages, first, seen, per, dim, page_size, scale,
+                      softcap, scores);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
