@@ -7,12 +7,20 @@ a loop (the text ends in a unit repeated at least 3 times, as a small model does
 string); those that do not loop are decoded again with `--retry-max-tokens`. Prints the counts and
 every exception, writes `benchmarks/results/maskbench_eval[_BACKEND].json`.
 
+Invalid and unflagged: an output the grammar ended (it terminated: `stop`, turned into `error`
+when its validation failed) that does not validate, for a schema with no keyword reported as not
+enforced. It must stay 0: the grammar claimed the whole schema.
+
 `--backend xgrammar|llguidance|auto` picks the grammar backend (`grammar_backend`); with
 `--compile-only` only the compile phase runs: per backend, which schemas compile, which have
 keywords it cannot enforce, and under `auto` which backend each schema got.
 
+A full decode takes the better part of an hour on 2 cores: `--max-minutes M` stops after the
+batch that passes M minutes, every decoded row kept in `maskbench_eval[...].rows.jsonl`, and
+`--resume` goes on from there (the summary is written once every schema is decoded).
+
     .venv/bin/python benchmarks/maskbench_eval.py [--backend auto] [--compile-only] [--limit N]
-        [--max-tokens 256] [--batch 32]
+        [--max-tokens 256] [--batch 32] [--max-minutes 20 [--resume]]
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +59,10 @@ def ends_in_loop(text: str, min_repeats: int = 3, min_span: int = 32, max_unit: 
 
 def decode(
     llm: LLM, runnable: list[tuple[str, Any]], max_tokens: int, batch: int, args: Any
-) -> list[dict]:
+) -> Iterator[list[dict]]:
+    """Decodes `runnable` in batches; yields each batch's rows."""
     finish = {} if not args.plain else {"bound_numbers": False, "max_repeat_run": None}
-    results: list[dict] = []
+    decoded = 0
     start = time.perf_counter()
     for i in range(0, len(runnable), batch):
         chunk = runnable[i : i + batch]
@@ -69,8 +79,9 @@ def decode(
             )
             for _, s in chunk
         ]
+        rows = []
         for (name, _), out in zip(chunk, llm.generate(prompts, sps), strict=True):
-            results.append(
+            rows.append(
                 {
                     "file": name,
                     "finish_reason": out.finish_reason,
@@ -80,16 +91,48 @@ def decode(
                     "tokens": len(out.token_ids),
                     "warnings": out.warnings,
                     "tail": out.text[-80:],
+                    "max_tokens": max_tokens,
                 }
             )
+        decoded += len(rows)
         print(
-            f"  {len(results)}/{len(runnable)} decoded, {time.perf_counter() - start:.0f} s",
+            f"  {decoded}/{len(runnable)} decoded, {time.perf_counter() - start:.0f} s",
             flush=True,
         )
-    return results
+        yield rows
 
 
-def main() -> None:
+class Rows:
+    """Decoded rows on disk, one JSON line each: first passes, then retries (`retry`)."""
+
+    def __init__(self, path: Path, resume: bool, max_minutes: float, settings: dict) -> None:
+        self.path = path
+        if not resume or not path.exists():
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps({"settings": settings}) + "\n")
+        lines = path.read_text().splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+        if not rows or rows[0].get("settings") != settings:  # rows of another run's settings
+            sys.exit(f"--resume: {path.name} was written with other settings; rerun without it")
+        rows = rows[1:]
+        self.first = {r["file"]: r for r in rows if not r.get("retry")}
+        self.retried = {r["file"]: r for r in rows if r.get("retry")}
+        self.deadline = time.monotonic() + max_minutes * 60 if max_minutes else float("inf")
+
+    def run(self, batches: Iterator[list[dict]], retry: bool = False) -> bool:
+        """Keeps each batch's rows; False once past the time budget (rerun with --resume)."""
+        for rows in batches:
+            with self.path.open("a") as f:
+                for row in rows:
+                    f.write(json.dumps({**row, "retry": retry}) + "\n")
+                    (self.retried if retry else self.first)[row["file"]] = row
+            if time.monotonic() > self.deadline:
+                print(f"stopped at the time budget; rerun with --resume ({self.path.name})")
+                return False
+        return True
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--limit", type=int, default=0, help="first N files only (0: all)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -104,16 +147,13 @@ def main() -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--backend", default="xgrammar", choices=("xgrammar", "llguidance", "auto"))
     p.add_argument("--compile-only", action="store_true")
-    args = p.parse_args()
-    files = sorted(MASKBENCH.glob("*.json"))
-    if args.limit:
-        files = files[: args.limit]
-    llm = LLM(
-        loaded=load_model(),
-        kv_cache_memory=1 << 30,
-        jump_forward=args.jump_forward,
-        grammar_backend=args.backend,
-    )
+    p.add_argument("--max-minutes", type=float, default=0, help="stop after this (0: never)")
+    p.add_argument("--resume", action="store_true", help="go on from the rows kept so far")
+    return p.parse_args()
+
+
+def compile_all(llm: LLM, files: list[Path]) -> tuple[list, list, list, Counter[str]]:
+    """Per schema: does not compile, compiles with keywords not enforced, or to decode."""
     backend = llm.engine.grammars.backend
     not_compiled, loosened, runnable = [], [], []
     chosen: Counter[str] = Counter()
@@ -131,68 +171,107 @@ def main() -> None:
             runnable.append((f.name, schema))
         if (i + 1) % 100 == 0:
             print(f"  {i + 1}/{len(files)} compiled", flush=True)
+    return not_compiled, loosened, runnable, chosen
+
+
+def main() -> None:
+    args = parse_args()
+    files = sorted(MASKBENCH.glob("*.json"))
+    if args.limit:
+        files = files[: args.limit]
+    llm = LLM(
+        loaded=load_model(),
+        kv_cache_memory=1 << 30,
+        jump_forward=args.jump_forward,
+        grammar_backend=args.backend,
+    )
+    not_compiled, loosened, runnable, chosen = compile_all(llm, files)
     print(
         f"{args.backend}: {len(files)} schemas: {len(not_compiled)} do not compile, "
         f"{len(loosened)} with keywords not enforced, {len(runnable)} to decode; "
         f"backends chosen {dict(chosen)}",
         flush=True,
     )
+    RESULTS.mkdir(exist_ok=True)
     if args.compile_only:
-        RESULTS.mkdir(exist_ok=True)
         out = {"backend": args.backend, "schemas": len(files), "chosen": dict(chosen)}
         out |= {"not_compiled": not_compiled, "loosened": loosened, "runnable": len(runnable)}
         (RESULTS / f"maskbench_compile_{args.backend}.json").write_text(json.dumps(out, indent=2))
         return
-    results = decode(llm, runnable, args.max_tokens, args.batch, args)
-    unfinished = {r["file"] for r in results if r["finish_reason"] == "length" and not r["looping"]}
+    name = "maskbench_eval_plain" if args.plain else "maskbench_eval"
+    name += "" if args.backend == "xgrammar" else f"_{args.backend}"
+    settings = {
+        k: getattr(args, k)
+        for k in ("max_tokens", "plain", "jump_forward", "repetition_penalty", "backend")
+    }
+    rows = Rows(RESULTS / f"{name}.rows.jsonl", args.resume, args.max_minutes, settings)
+    todo = [x for x in runnable if x[0] not in rows.first]
+    if not rows.run(decode(llm, todo, args.max_tokens, args.batch, args)):
+        return
+    unfinished = {
+        f for f, r in rows.first.items() if r["finish_reason"] == "length" and not r["looping"]
+    }
+    retry = [x for x in runnable if x[0] in unfinished and x[0] not in rows.retried]
     if unfinished and args.retry_max_tokens > args.max_tokens:
         print(f"{len(unfinished)} unfinished without a loop: again with {args.retry_max_tokens}")
-        retry = [x for x in runnable if x[0] in unfinished]
-        again = {r["file"]: r for r in decode(llm, retry, args.retry_max_tokens, args.batch, args)}
-        results = [again.get(r["file"], r) for r in results]
+        batches = decode(llm, retry, args.retry_max_tokens, args.batch, args)
+        if not rows.run(batches, retry=True):
+            return
+    results = [rows.retried.get(f, rows.first[f]) for f, _ in runnable if f in rows.first]
+    summary = summarize(results, args) | {
+        "schemas": len(files),
+        "not_compiled": not_compiled,
+        "loosened": loosened,
+        "chosen": dict(chosen),
+    }
+    (RESULTS / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    report(summary, len(loosened))
 
+
+def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     ok = [r for r in results if r["validated"]]
     bad = [r for r in results if not r["validated"]]
     looping = [r for r in bad if r["looping"]]
     early = [r for r in bad if r["ended_early"]]
-    invalid = [r for r in bad if r["finish_reason"] != "length" and not r["ended_early"]]
-    no_loop = len(bad) - len(looping) - len(invalid) - len(early)
-    summary = {
-        "schemas": len(files),
-        "not_compiled": not_compiled,
-        "loosened": loosened,
+    # ended by the grammar (a failed validation turns its `stop` into `error`), yet invalid
+    unflagged = [r for r in bad if r["finish_reason"] == "error" and r["validated"] is False]
+    # ended by a guard (whitespace run, parser limits, mask budget): nothing to validate
+    guarded = [r for r in bad if r["validated"] is None and not r["ended_early"]]
+    no_loop = [r for r in bad if r["finish_reason"] == "length" and not r["looping"]]
+    return {
         "decoded": len(results),
         "validated": len(ok),
         "looping": len(looping),
-        "length_without_loop": no_loop,
-        "terminated_invalid": len(invalid),
+        "length_without_loop": len(no_loop),
+        "invalid_unflagged": len(unflagged),
         "ended_early_repeat": len(early),
+        "ended_by_other_guards": len(guarded),
         "tokens": sum(r["tokens"] for r in results),
         "plain": args.plain,
         "repetition_penalty": args.repetition_penalty,
         "backend": args.backend,
-        "chosen": dict(chosen),
         "exceptions": bad,
         "max_tokens": args.max_tokens,
         "retry_max_tokens": args.retry_max_tokens,
     }
-    RESULTS.mkdir(exist_ok=True)
-    name = "maskbench_eval_plain" if args.plain else "maskbench_eval"
-    name += "" if args.backend == "xgrammar" else f"_{args.backend}"
-    name += ".json"
-    (RESULTS / name).write_text(json.dumps(summary, indent=2))
+
+
+def report(summary: dict[str, Any], loosened: int) -> None:
+    s = summary
     print(
-        f"\nvalidated {len(ok)} of {len(results)} decoded outputs; {len(looping)} loop until "
-        f"max_tokens, {no_loop} reach it without a loop, {len(invalid)} terminated invalid, "
-        f"{len(early)} ended early by the repeat guard; "
-        f"{sum(r['tokens'] for r in results)} tokens decoded"
+        f"\n{s['backend']}: {s['schemas']} schemas, {s['schemas'] - len(s['not_compiled'])} "
+        f"compile, {loosened} with keywords not enforced, {s['decoded']} decoded: "
+        f"{s['validated']} finish and validate, {s['invalid_unflagged']} invalid and unflagged; "
+        f"{s['looping']} loop until max_tokens, {s['length_without_loop']} reach it without a "
+        f"loop, {s['ended_early_repeat']} ended early by the repeat guard, "
+        f"{s['ended_by_other_guards']} by other guards; {s['tokens']} tokens decoded"
     )
-    for r in bad:
+    for r in s["exceptions"]:
         kind = "loop" if r["looping"] else r["finish_reason"]
         print(f"  {r['file']}: {kind} after {r['tokens']} tokens, ends {r['tail'][-40:]!r}")
         if r["finish_reason"] != "length":
             print(f"    {r['warnings'][-1:]}")
-    for r in not_compiled:
+    for r in s["not_compiled"]:
         print(f"  not compiled: {r['file']}: {r['error'][:160]}")
 
 

@@ -164,6 +164,7 @@ def _end_verdict_span(span: Any, verdict: Verdict | None) -> None:
         else:
             span.set_attribute(spans.CACHE_LEVEL, verdict.source)
             span.set_attribute(spans.GRAMMAR_OUTCOME, "ok" if verdict.ok else verdict.reason)
+            span.set_attribute(spans.GRAMMAR_BACKEND, verdict.backend)
             span.set_attribute(spans.COMPILE_SECONDS, verdict.compile_s)
         span.end()
     except Exception:  # telemetry never fails a verdict

@@ -87,7 +87,7 @@ class LLMReplica:
             backends = self.engine.grammars.backend
             xgrammar = backends.xgrammar
             remote = RemoteVerdicts(grammar_handle, xgrammar.tokenizer_info)
-            local = LocalBuilds(backends, cfg.grammar.limits)
+            local = LocalBuilds(backends, cfg.grammar.limits, cfg.grammar.mask_budget_ms)
             provider = ServiceGrammarProvider(xgrammar, remote, local=local)
             self.engine.grammars.use_provider(provider)
         self.llm = AsyncLLM(self.engine)

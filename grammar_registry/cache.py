@@ -2,9 +2,9 @@
 
 Redis holds a *verdict* per grammar key: compiled (with a compressed xgrammar blob when loading it
 beats recompiling, else a "compile locally" marker) or refused (invalid, over a limit, timed out,
-too slow to mask; kept for a shorter time). A verdict is small and always worth caching: it lets a
-second replica skip the worker pool and the probe. Any Redis error, and any entry it cannot read,
-counts as a miss: a request never fails because of the cache.
+too slow to mask; kept for a shorter time); each names the backend it is for. A verdict is small
+and always worth caching: it lets a second replica skip the worker pool and the probe. Any Redis
+error, and any entry it cannot read, counts as a miss: a request never fails because of the cache.
 
 Redis is outside the trust boundary: whoever can write to it could plant an `ok` verdict for a
 pathological grammar (every replica would then compile it in-process) or a decompression bomb. So
@@ -62,6 +62,9 @@ class Verdict:
     mask_ms: float = 0.0  # p50 of the probe's masks
     blob_bytes: int = 0
     blob: bytes | None = None
+    # the grammar backend it is for (its blob is that backend's): the service's are xgrammar's;
+    # llguidance's stay in the replica that built them (services/compiler/local_builds.py)
+    backend: str = "xgrammar"
     # where this answer came from (telemetry's cache level: recent, redis, compiled, rejected);
     # per lookup, so never stored
     source: str = ""

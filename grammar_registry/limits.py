@@ -41,6 +41,18 @@ class GrammarLimits(BaseModel):
     max_length_bound: int = Field(default=100_000, ge=1)  # maxLength / maxItems ... values
     max_grammar_bytes: int = Field(default=64 << 10, ge=1)  # EBNF / Lark text
     max_tags: int = Field(default=64, ge=1)  # structural-tag tags / triggers
+    # llguidance's parser limits (services/engine/grammar/llguidance_backend.py). It computes
+    # masks lazily, so these bound the work after admission, each mask and each token: lexer
+    # fuel (~14k a ms) and Earley items (~20k a ms) per mask keep one mask near the 20 ms mask
+    # budget; fuel to build the lexer's regexes (~50k a ms); lexer states a grammar may build
+    # while decoding (1-2 kB each); the symbols a grammar expands to; alternatives in one row.
+    # A grammar past one while decoding fails its request (422).
+    mask_lexer_fuel: int = Field(default=200_000, ge=1)
+    mask_parser_items: int = Field(default=50_000, ge=1)
+    build_lexer_fuel: int = Field(default=1_000_000, ge=1)
+    max_lexer_states: int = Field(default=250_000, ge=1)
+    max_grammar_symbols: int = Field(default=500_000, ge=1)
+    max_items_in_row: int = Field(default=2000, ge=1)
 
 
 class LimitExceeded(ValueError):

@@ -19,15 +19,16 @@ def build_provider(
     """An engine's provider with its own compile service (offline use and one-process serving);
     given every backend, llguidance grammars are built in this process (`LocalBuilds`)."""
     local = None
+    base = config or CompilerConfig()
     if isinstance(backend, Backends):
-        local = LocalBuilds(backend, (config or CompilerConfig()).limits)
+        local = LocalBuilds.from_config(backend, base)
         backend = backend.xgrammar
     client = None
     if redis_url:
         import redis
 
         client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    cfg = (config or CompilerConfig()).model_copy(update={"workers": workers})
+    cfg = base.model_copy(update={"workers": workers})
     if client is not None and cfg.verdict_secret is None:
         cfg = cfg.model_copy(update={"verdict_secret": settings.verdict_secret()})
     service = CompileService(backend.tokenizer_info, cfg, redis=client)

@@ -3,35 +3,56 @@
 The compile service exists because an xgrammar compile is eager and unbounded: seconds, or
 gigabytes, for a hostile schema, so it runs in killable workers behind a deadline and its verdicts
 are cached. llguidance has no compile step to isolate: building its matcher parses the spec, and
-its parser limits (lexer fuel per mask, grammar size) bound the work of every mask after it. So an
-llguidance grammar is built in this process, on the same fair turns between tenants, after the
-same static limits (`GrammarLimits`) the service applies, and decoding keeps the engine's mask
-budget over it (a grammar whose masks prove slow is refused for its tenant from then on).
+its parser limits (lexer fuel per mask, grammar size: `GrammarLimits`, the same limits the service
+applies) bound the work of every mask after it. So an llguidance grammar is built in this process,
+on fair turns between tenants, and judged as a worker judges a compile: the static limits before
+it, the mask-time probe (`probe.py`) after it, and decoding keeps the engine's mask budget over it.
 
-Which grammars are built here: those whose backend (the request's `StructuredOutput.backend`,
-else the engine's `grammar_backend`) is llguidance, and under `auto` every JSON grammar, kept
-when llguidance enforces each keyword of it; otherwise the service's xgrammar verdict decides, as
-for every other grammar. `ServiceGrammarProvider` asks `builds_here` first.
+What a build shows is a `Verdict` for backend llguidance, kept here in an LRU with the built
+grammar (each request copies it): building and probing takes about a millisecond, less than
+fetching a verdict from Redis, so these stay out of it. Refusals the machine's load can cause (a
+slow probe; masks over the budget while decoding, `downgrade`) are kept for the tenant that met
+them only, and for `refusal_ttl_s`, as the service keeps its own.
+
+Which grammars come here: those whose backend (the request's `StructuredOutput.backend`, else the
+engine's `grammar_backend`) is llguidance, and under `auto` every JSON grammar. Under `auto` the
+verdict is the choice: llguidance when it enforces every keyword and masks within budget;
+otherwise the service's xgrammar verdict decides, and when both loosen keywords the one loosening
+fewer wins (`backends.prefer`). `ServiceGrammarProvider` asks `builds_here` first.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from grammar_registry.cache import Verdict
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
 from services.compiler.dispatch import FairDispatcher
-from services.compiler.futures import pipe, settle
+from services.compiler.futures import settle
+from services.compiler.probe import PROBE_STEPS, probe_masks
+from services.compiler.service import LOAD_DEPENDENT, CompilerConfig, refusal
 from services.compiler.specs import to_spec
 from services.engine.grammar.backend import CompiledGrammar, GrammarError
-from services.engine.grammar.backends import Backends
+from services.engine.grammar.backends import Backends, prefer
+from services.engine.grammar.xgrammar_backend import fidelity_error
 from services.engine.params import StructuredOutput
 
-MAX_REFUSED = 4096  # grammars refused for their tenant after slow masks, remembered here
+MAX_VERDICTS = 4096  # llguidance verdicts (with their built grammars) kept here
 Submit = Callable[[StructuredOutput, str], "Future[CompiledGrammar]"]  # the service's path
+
+
+@dataclass(frozen=True)
+class Judged:
+    verdict: Verdict  # backend "llguidance"
+    compiled: CompiledGrammar | None  # what each request copies; None for a refusal
+    expires: float = math.inf  # time.monotonic(); a refusal the load may have caused expires
 
 
 class _Build:
@@ -39,8 +60,15 @@ class _Build:
         self.tenant, self.fn, self.out = tenant, fn, out
 
     def run(self) -> None:
-        if not self.out.cancelled():
+        if self.out.cancelled():
+            return
+        try:
             self.fn()
+        except Exception as exc:  # the request must get an answer, whatever went wrong
+            error = (
+                exc if isinstance(exc, GrammarError) else GrammarError(f"structured: {exc!r}"[:300])
+            )
+            settle(self.out, exc=error)
 
     def fail(self, exc: BaseException) -> None:
         settle(self.out, exc=exc)
@@ -48,12 +76,37 @@ class _Build:
 
 class LocalBuilds:
     def __init__(
-        self, backends: Backends, limits: GrammarLimits | None = None, threads: int = 2
+        self,
+        backends: Backends,
+        limits: GrammarLimits | None = None,
+        mask_budget_ms: float = 20.0,
+        probe_steps: int = PROBE_STEPS,
+        threads: int = 2,
+        refusal_ttl_s: float = 600.0,
     ) -> None:
         self.backends = backends
         self.limits = limits or GrammarLimits()
+        backends.use_limits(self.limits)  # llguidance's parser limits
+        self.mask_budget_ms = mask_budget_ms
+        self.probe_steps = probe_steps
+        # a refusal the load may have caused is judged again after this, as the service's
+        # Redis copy of one expires (`CompilerConfig.failure_ttl_s`)
+        self.refusal_ttl_s = refusal_ttl_s
         self.dispatcher = FairDispatcher(threads, max(1, threads // 2), name="grammar-build")
-        self._refused: OrderedDict[tuple[str, str], GrammarError] = OrderedDict()
+        self._verdicts: OrderedDict[str, Judged] = OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0  # llguidance grammars built and probed (what the verdicts save)
+
+    @classmethod
+    def from_config(cls, backends: Backends, config: CompilerConfig) -> LocalBuilds:
+        """With the compile service's limits, mask budget, probe and refusal lifetime."""
+        return cls(
+            backends,
+            config.limits,
+            config.mask_budget_ms,
+            config.probe_steps,
+            refusal_ttl_s=config.failure_ttl_s,
+        )
 
     def builds_here(self, spec: StructuredOutput) -> bool:
         if spec.grammar_id is not None:
@@ -68,51 +121,152 @@ class LocalBuilds:
     ) -> Future[CompiledGrammar]:
         """Built in the tenant's turn; `service` answers what llguidance leaves to xgrammar."""
         out: Future[CompiledGrammar] = Future()
-        build = _Build(tenant, lambda: self._build(spec, tenant, out, service), out)
+        build = _Build(tenant, lambda: self._answer(spec, tenant, out, service), out)
         self.dispatcher.submit(build)
         return out
 
-    def _build(
+    def verdict(self, spec: StructuredOutput, tenant: str) -> Judged:
+        """llguidance's verdict on the grammar: the tenant's own refusal first, then the shared
+        verdict, else a build (after the static limits: raises `LimitExceeded`) and a probe."""
+        gspec = to_spec(spec)
+        key = gspec.canonical()
+        found = self._get(_scoped(key, tenant)) or self._get(key)
+        if found is not None:
+            return found
+        check_limits(gspec, self.limits)
+        judged = self._judge(spec)
+        if judged.verdict.reason in LOAD_DEPENDENT:
+            self._put_refusal(_scoped(key, tenant), judged)
+        else:
+            self._put(key, judged)
+        return judged
+
+    def _judge(self, spec: StructuredOutput) -> Judged:
+        backend = self.backends.llguidance
+        self.builds += 1
+        start = time.perf_counter()
+        try:
+            compiled = backend.compile(replace(spec, fidelity="warn"))  # judged per request
+            build_s = time.perf_counter() - start
+            budget = self.mask_budget_ms
+            mask_ms = probe_masks(backend, compiled, self.probe_steps, 0, 4 * budget)
+        except GrammarError as exc:  # invalid, or past the parser's limits while probing
+            error = str(exc).removeprefix(f"structured.{spec.kind}: ").removeprefix("structured: ")
+            return Judged(_refused(exc.reason, error), None)
+        if mask_ms > budget:
+            error = f"masks take {mask_ms:.1f} ms (budget {budget:g} ms)"
+            return Judged(_refused("slow_mask", error, build_s, mask_ms), None)
+        verdict = Verdict(
+            ok=True,
+            warnings=list(compiled.warnings),
+            compile_s=build_s,
+            mask_ms=mask_ms,
+            backend="llguidance",
+        )
+        return Judged(verdict, compiled)
+
+    def _answer(
         self, spec: StructuredOutput, tenant: str, out: Future[CompiledGrammar], service: Submit
     ) -> None:
         auto = (spec.backend or self.backends.default) == "auto"
         try:
-            gspec = to_spec(spec)
-            refused = self._refused.get((tenant, gspec.canonical()))
-            if refused is None:
-                check_limits(gspec, self.limits)
-                judged = replace(spec, fidelity="warn") if auto else spec
-                compiled = self.backends.llguidance.compile(judged)
+            judged = self.verdict(spec, tenant)
         except LimitExceeded as exc:
             settle(out, exc=GrammarError(f"structured.{spec.kind}: {exc}", reason="limit"))
             return
-        except GrammarError as exc:
-            if auto:  # llguidance cannot build it: xgrammar's verdict decides
-                pipe(service(spec, tenant), out)
-            else:
-                settle(out, exc=exc)
-            return
         except Exception as exc:
-            settle(out, exc=GrammarError(f"structured.{spec.kind}: {exc!r}"[:300]))
+            error = (
+                exc
+                if isinstance(exc, GrammarError)
+                else GrammarError(f"structured.{spec.kind}: {exc!r}"[:300])
+            )
+            settle(out, exc=error)
             return
-        if refused is not None:  # its masks proved slow for this tenant
-            settle(out, exc=refused)
-        elif auto and compiled.warnings:  # not every keyword: xgrammar's verdict decides
-            pipe(service(spec, tenant), out)
-        else:
-            settle(out, compiled)
+        verdict, compiled = judged.verdict, judged.compiled
+        if compiled is not None and not (auto and verdict.warnings):
+            if verdict.warnings and spec.fidelity == "strict":
+                settle(out, exc=fidelity_error(verdict.warnings))
+            else:
+                settle(out, compiled)
+        elif not auto:
+            settle(out, exc=refusal(verdict, spec.kind))
+        else:  # llguidance loosens a keyword, or refused: xgrammar's verdict decides
+            try:
+                asked = service(spec, tenant)  # raises at once what it refuses without a compile
+            except GrammarError as exc:
+                settle(out, exc=exc)
+                return
+            _choose(asked, compiled, spec.fidelity == "strict", out)
 
     def downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
-        """Refuses the grammar for the tenant from now on (its masks proved slow)."""
+        """Refuses llguidance's grammar for the tenant from now on (its masks proved slow);
+        under `auto` the tenant's next request with it goes to xgrammar."""
         try:
-            key = (tenant, to_spec(spec).canonical())
+            key = to_spec(spec).canonical()
         except (GrammarError, ValueError):
             return
-        self._refused[key] = error
-        while len(self._refused) > MAX_REFUSED:
-            self._refused.popitem(last=False)
+        detail = str(error).removeprefix(f"structured.{spec.kind}: ")
+        self._put_refusal(_scoped(key, tenant), Judged(_refused(error.reason, detail), None))
+
+    def _put_refusal(self, key: str, judged: Judged) -> None:
+        self._put(key, replace(judged, expires=time.monotonic() + self.refusal_ttl_s))
+
+    def _get(self, key: str) -> Judged | None:
+        with self._lock:
+            found = self._verdicts.get(key)
+            if found is not None and found.expires <= time.monotonic():
+                del self._verdicts[key]
+                return None
+            if found is not None:
+                self._verdicts.move_to_end(key)
+            return found
+
+    def _put(self, key: str, judged: Judged) -> None:
+        with self._lock:
+            self._verdicts[key] = judged
+            self._verdicts.move_to_end(key)
+            while len(self._verdicts) > MAX_VERDICTS:
+                self._verdicts.popitem(last=False)
 
     def close(self) -> None:
         self.dispatcher.close(
             GrammarError("structured: the grammar provider shut down", "unavailable", 503)
         )
+
+
+def _scoped(key: str, tenant: str) -> str:
+    return f"{key}\x00tenant:{tenant}"  # a canonical spec is JSON: it never holds a NUL
+
+
+def _refused(reason: str, error: str, compile_s: float = 0.0, mask_ms: float = 0.0) -> Verdict:
+    return Verdict(
+        ok=False,
+        reason=reason,
+        error=error,
+        compile_s=compile_s,
+        mask_ms=mask_ms,
+        backend="llguidance",
+    )
+
+
+def _choose(
+    xgrammar: Future[CompiledGrammar],
+    guided: CompiledGrammar | None,
+    strict: bool,
+    out: Future[CompiledGrammar],
+) -> None:
+    """`out` gets xgrammar's grammar, or llguidance's (`guided`, which loosens some keyword)
+    where that loosens no more, or where xgrammar refuses and `fidelity` is `warn`."""
+
+    def decide(f: Future[CompiledGrammar]) -> None:
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is None:
+            settle(out, f.result() if guided is None else prefer(guided, f.result()))
+        elif guided is not None and not strict:
+            settle(out, guided)
+        else:
+            settle(out, exc=f.exception())
+
+    xgrammar.add_done_callback(decide)
+    out.add_done_callback(lambda f: xgrammar.cancel() if f.cancelled() else None)

@@ -319,10 +319,13 @@ class ServiceGrammarProvider:
         self.stats["blob"] += 1
         return handle
 
-    def downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
+    def downgrade(
+        self, spec: StructuredOutput, tenant: str, error: GrammarError, backend: str = "xgrammar"
+    ) -> None:
         """Forgets the compiled grammar here at once; the refusal reaches the verdict cache on a
-        resolver thread (a registered grammar's spec may need a remote lookup first)."""
-        if self.local is not None and self.local.builds_here(spec):
+        resolver thread (a registered grammar's spec may need a remote lookup first).
+        llguidance's grammars are refused where they were built (`LocalBuilds`)."""
+        if backend == "llguidance" and self.local is not None:
             self.local.downgrade(spec, tenant, error)
             return
         if spec.grammar_id is None:
@@ -383,6 +386,7 @@ def _ended(inner: Future[_Resolved], span: Span) -> Future[CompiledGrammar]:
                 span.set_attribute(spans.GRAMMAR_OUTCOME, "cancelled")
             elif f.exception() is None:
                 span.set_attribute(spans.CACHE_LEVEL, f.result().level)
+                span.set_attribute(spans.GRAMMAR_BACKEND, f.result().compiled.backend)
                 span.set_attribute(spans.GRAMMAR_OUTCOME, "ok")
             else:
                 exc = f.exception()

@@ -31,6 +31,7 @@ from grammar_registry.tenants import (
 )
 from services import telemetry
 from services.compiler.pool import WorkerPool
+from services.compiler.probe import PROBE_STEPS
 from services.engine.grammar.backend import GrammarError
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ STATUS = {
 _NOT_CACHED = ("busy", "unavailable")  # about the service's state, not the grammar
 # Refusals that depend on how loaded the machine was: cached for the tenant that met them only,
 # so one tenant saturating the workers cannot poison a grammar for everyone.
-_LOAD_DEPENDENT = ("timeout", "slow_mask", "memory", "crash")
+LOAD_DEPENDENT = ("timeout", "slow_mask", "memory", "crash")
 
 
 class CompilerConfig(BaseModel):
@@ -62,7 +63,7 @@ class CompilerConfig(BaseModel):
     queue_wait_s: float = Field(default=30.0, ge=0)  # for a free worker, before "busy"
     worker_memory_bytes: int = Field(default=4 << 30, ge=0)  # RLIMIT_AS per worker; 0: none
     mask_budget_ms: float = Field(default=20.0, gt=0)  # probe median above this: refused
-    probe_steps: int = Field(default=8, ge=1)
+    probe_steps: int = Field(default=PROBE_STEPS, ge=1)
     max_inflight: int = Field(default=16, ge=1)
     max_inflight_per_tenant: int = Field(default=4, ge=1)
     # Store the blob only when loading it is clearly faster than compiling it again.
@@ -178,7 +179,7 @@ class CompileService:
         try:
             verdict = self._compile(spec, tenant)
             if verdict.reason not in _NOT_CACHED:
-                where = mine if verdict.reason in _LOAD_DEPENDENT else key
+                where = mine if verdict.reason in LOAD_DEPENDENT else key
                 self.verdicts.put(where, verdict)
                 self._remember(where, verdict)
             running.set_result(verdict)
@@ -301,10 +302,15 @@ def _answered(verdict: Verdict, level: str) -> Verdict:
     return replace(verdict, source=level)
 
 
+def refusal(verdict: Verdict, kind: str) -> GrammarError:
+    """What a caller gets for a refused grammar."""
+    return GrammarError(
+        f"structured.{kind}: {verdict.error}",
+        reason=verdict.reason,
+        status=STATUS.get(verdict.reason, 400),
+    )
+
+
 def raise_for(verdict: Verdict, kind: str) -> None:
     if not verdict.ok:
-        raise GrammarError(
-            f"structured.{kind}: {verdict.error}",
-            reason=verdict.reason,
-            status=STATUS.get(verdict.reason, 400),
-        )
+        raise refusal(verdict, kind)

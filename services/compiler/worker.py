@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import os
-import random
 import resource
 import signal
-import statistics
 import sys
 import time
 import zlib
 from multiprocessing.connection import Connection
 from typing import Any
 
-# Probe defaults: a few steps of masks along a random path through the grammar.
-PROBE_STEPS = 8
+from services.compiler.probe import PROBE_STEPS, probe_masks
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -105,11 +103,13 @@ def compile_job(backend: Any, job: dict[str, Any]) -> dict[str, Any]:
     from services.engine.grammar.backend import GrammarError
 
     spec = GrammarSpec.model_validate_json(job["spec"])
+    so = to_structured(spec)
     start = time.perf_counter()
     try:
-        compiled = backend.compile(to_structured(spec))
-    except GrammarError as exc:
-        return {"ok": False, "reason": "invalid", "error": str(exc)}
+        compiled = backend.compile(so)
+    except GrammarError as exc:  # the service names the field itself (`raise_for`)
+        error = str(exc).removeprefix(f"structured.{so.kind}: ")
+        return {"ok": False, "reason": "invalid", "error": error}
     compile_s = time.perf_counter() - start
     steps = job.get("probe_steps", PROBE_STEPS)
     mask_ms = probe_masks(backend, compiled, steps, job["seed"], 4 * job["mask_budget_ms"])
@@ -134,38 +134,6 @@ def compile_job(backend: Any, job: dict[str, Any]) -> dict[str, Any]:
         "mask_ms": mask_ms,
         "blob": blob,
     }
-
-
-def probe_masks(
-    backend: Any, compiled: Any, steps: int, seed: int, stop_above_ms: float = float("inf")
-) -> float:
-    """The median mask time (ms) over the first `steps` choice points along a seeded random path;
-    a single mask slower than `stop_above_ms` ends the probe and is the answer."""
-    import torch
-
-    state = backend.new_state(compiled)
-    bitmask = backend.allocate_bitmask(1)
-    rng = random.Random(seed)
-    times = []
-    for _ in range(steps):
-        if state.is_terminated():  # a terminated matcher raises on any further call
-            break
-        # Text the grammar forces costs one cheap mask per token: timing it would let a long
-        # literal prefix hide the slow part behind it from every probe step.
-        forced = state.jump_forward()
-        if forced and not state.accept_string(forced):
-            break
-        start = time.perf_counter()
-        state.fill_bitmask(bitmask, 0)
-        times.append((time.perf_counter() - start) * 1000)
-        if times[-1] > stop_above_ms:
-            return times[-1]
-        words = bitmask[0].to(torch.int64) & 0xFFFFFFFF
-        bits = ((words.unsqueeze(1) >> torch.arange(32)) & 1).flatten()[: backend.vocab_size]
-        allowed = bits.nonzero().flatten().tolist()
-        if not allowed or not state.accept_token(rng.choice(allowed)):
-            break
-    return statistics.median(times) if times else 0.0
 
 
 if __name__ == "__main__":

@@ -22,12 +22,28 @@ if TYPE_CHECKING:
     from kvcache.policies import KVState
     from services.engine.grammar.backend import CompiledGrammar, GrammarState
     from services.engine.grammar.validation import PendingValidation
+    from services.engine.params import StructuredOutput
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class StructuredRequest:
+    """A constrained request's grammar side (services/engine/grammar/manager.py): its spec and
+    the spec's one canonical key, the compile in flight, then the compiled grammar and this
+    request's state, and what the decode-time guards count."""
+
+    spec: StructuredOutput
+    key: str  # `spec_key(spec)`, made once: the grammar's canonical name (hashed in logs)
+    future: Future[CompiledGrammar] | None = None
+    compiled: CompiledGrammar | None = None
+    state: GrammarState | None = None
+    whitespace_run: int = 0  # whitespace-only tokens at the end of the output
+    mask_over_budget_s: float = 0.0  # spent in masks slower than the budget
 
 
 @dataclass(eq=False)
@@ -54,13 +70,7 @@ class Request:
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     warnings: list[str] = field(default_factory=list)
-    # structured output: the compile in flight, then the compiled grammar and this request's state
-    grammar_future: Future[CompiledGrammar] | None = None
-    compiled: CompiledGrammar | None = None
-    grammar: GrammarState | None = None
-    whitespace_run: int = 0  # whitespace-only tokens at the end of the output
-    mask_seconds: float = 0.0  # spent filling this request's masks
-    mask_over_budget_s: float = 0.0  # of which in masks slower than the budget
+    structured: StructuredRequest | None = None  # set once its grammar is asked for
     validated: bool | None = None  # JSON outputs: did the text validate against the schema
     validation: PendingValidation | None = None  # finished, its output still being validated
     error_status: int | None = None  # finish_reason "error": the HTTP status it maps to
@@ -103,9 +113,14 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def grammar(self) -> GrammarState | None:
+        """The request's grammar state once its grammar compiled (None: unconstrained)."""
+        return self.structured.state if self.structured is not None else None
+
+    @property
     def ready(self) -> bool:
         """False while the request's grammar compiles: it waits without blocking others."""
-        return self.grammar_future is None or self.grammar is not None
+        return self.structured is None or self.structured.state is not None
 
     @property
     def finished(self) -> bool:

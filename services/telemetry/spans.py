@@ -9,7 +9,7 @@ The span tree of one request:
 
     chat {served model}                 SERVER  ingress: gen_ai.*, structserve.tenant
     └── structserve.generate            INTERNAL  LLM replica, one per choice
-        ├── structserve.grammar.resolve           the replica's provider: cache level
+        ├── structserve.grammar.resolve           the replica's provider: cache level, backend
         │   └── structserve.grammar.verdict       the grammar service: cache level, outcome
         ├── structserve.queue                     engine arrival → first scheduled
         ├── structserve.prefill                   first scheduled → first token
@@ -48,6 +48,7 @@ REQUEST_ID = "structserve.request_id"
 GRAMMAR_KIND = "structserve.grammar.kind"
 CACHE_LEVEL = "structserve.grammar.cache_level"  # families.CACHE_LEVELS
 GRAMMAR_OUTCOME = "structserve.grammar.outcome"  # ok, or the refusal reason
+GRAMMAR_BACKEND = "structserve.grammar.backend"  # xgrammar | llguidance: which one compiled it
 COMPILE_SECONDS = "structserve.grammar.compile_s"
 PREEMPTIONS = "structserve.preemptions"
 FORCED_TOKENS = "structserve.jump_forward.tokens"

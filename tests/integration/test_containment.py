@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hostile import CASES, QUESTION, engine_request
+from hostile import CASES, QUESTION, SLOW_MASK_REGEX, Case, engine_request
 
+from grammar_registry.limits import GrammarLimits
 from services import LLM, KVPolicy, SamplingParams, StructuredOutput
 from services.engine.boundary import STAGES, FaultInjector
 from services.engine.engine import LLMEngine
@@ -46,16 +47,19 @@ def llm(loaded_model) -> LLM:
     return LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=1)
 
 
-@pytest.fixture(scope="module")
-def alone(llm):
+def victims_alone(engine: LLMEngine) -> dict:
     """The victims' tokens, each run alone."""
-    engine = llm.engine
     chat = engine.apply_chat_template([{"role": "user", "content": QUESTION}])
     return {
         "plain": run(engine, [("v", VICTIM, VICTIM_PARAMS)])["v"].token_ids,
         "json": run(engine, [("v", chat, VICTIM_JSON)])["v"].token_ids,
         "chat": chat,
     }
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    return victims_alone(llm.engine)
 
 
 def check_victims(engine: LLMEngine, alone: dict, hostile: tuple[str, object, SamplingParams]):
@@ -71,23 +75,75 @@ def check_victims(engine: LLMEngine, alone: dict, hostile: tuple[str, object, Sa
     return outs[hostile[0]]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_hostile_requests_hurt_no_one(llm, alone, case):
-    engine = llm.engine
+def check_case(engine: LLMEngine, alone: dict, case: Case, backend: str = "xgrammar") -> None:
+    expect = case.expected(backend)
     try:
         prompt, params = engine_request(case, engine, max_tokens=32)
     except ValueError as exc:  # refused while building its parameters: before any work
-        assert case.expect is not None and case.expect in str(exc), exc
-        prompt, params = None, None
-    if params is None:
+        assert expect is not None and expect in str(exc), exc
         return
     out = check_victims(engine, alone, ("hostile", prompt, params))
-    if case.expect is None:
+    if expect is None:
         assert out.finish_reason in ("stop", "length"), out.warnings
         assert case.validated is None or out.validated is case.validated, out.warnings
     else:
         assert out.finish_reason == "error"
-        assert any(case.expect in w for w in out.warnings), out.warnings
+        assert any(expect in w for w in out.warnings), out.warnings
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_hostile_requests_hurt_no_one(llm, alone, case):
+    check_case(llm.engine, alone, case)
+
+
+@pytest.fixture(scope="module", params=["llguidance", "auto"])
+def other_backend(request, loaded_model):
+    """An engine per other grammar backend, with the compile service (the workers for
+    xgrammar's grammars, `LocalBuilds` for llguidance's), and its victims alone."""
+    llm = LLM(
+        loaded=loaded_model,
+        kv_cache_memory=64 << 20,
+        grammar_workers=1,
+        grammar_backend=request.param,
+    )
+    yield request.param, llm.engine, victims_alone(llm.engine)
+    llm.engine.grammars.shutdown()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.structured], ids=lambda c: c.name)
+def test_hostile_grammars_are_refused_or_bounded_with_every_backend(other_backend, case):
+    """The victims' JSON request uses the backend too."""
+    backend, engine, alone = other_backend
+    check_case(engine, alone, case, backend)
+
+
+def test_llguidance_parser_limits_refuse_at_admission_and_bound_each_mask(loaded_model):
+    """`GrammarLimits` sets llguidance's parser limits: with a tiny lexer, the admission probe
+    refuses the grammar (400, named), and with no probe (the plain twin, no compile service) the
+    decode that runs past them fails alone with a 422 instead of ending early as if complete."""
+    from services.compiler import CompilerConfig, build_provider
+
+    tiny = GrammarLimits(max_lexer_states=50)
+    spec = StructuredOutput(regex=SLOW_MASK_REGEX, backend="llguidance")
+    hostile = SamplingParams(max_tokens=32, temperature=0, structured=spec)
+    plain = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
+    backends = plain.engine.grammars.backend
+    provider = build_provider(backends, 1, config=CompilerConfig(limits=tiny))
+    guarded = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_provider=provider)
+    alone = victims_alone(guarded.engine)
+    out = check_victims(guarded.engine, alone, ("hostile", alone["chat"], hostile))
+    assert out.finish_reason == "error" and out.error_status == 400, out.warnings
+    assert "parser's limits" in out.warnings[-1] and not out.token_ids
+    provider.shutdown()
+    assert backends.limits is tiny  # shared with the plain engine: no probe, the limits alone
+    out = check_victims(
+        plain.engine, victims_alone(plain.engine), ("hostile", alone["chat"], hostile)
+    )
+    assert out.finish_reason == "error" and out.error_status == 422, out.warnings
+    assert "parser's limits" in out.warnings[-1] and 0 < len(out.token_ids) < 32
+    again = run(plain.engine, [("again", alone["chat"], hostile)])["again"]
+    assert again.error_status == 422 and not again.token_ids  # refused now, before decoding
+    plain.engine.grammars.shutdown()
 
 
 def test_a_temperature_too_small_to_sample_decodes_greedily(llm):

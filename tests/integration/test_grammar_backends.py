@@ -75,3 +75,15 @@ def test_names_are_checked():
     check_name("grammar_backend", "auto")
     with pytest.raises(ValueError, match="grammar_backend: 'outlines'"):
         check_name("grammar_backend", "outlines")
+
+
+def test_an_llguidance_engine_never_builds_xgrammar(loaded_model, tokenizer):
+    """The shared bitmask needs no backend: no tokenizer scan for xgrammar."""
+    vocab = int(loaded_model.model.config.vocab_size)
+    guided = Backends(tokenizer, vocab, [tokenizer.eos_token_id], "llguidance")
+    state = guided.new_state(guided.compile(StructuredOutput(json_schema=PLAIN)))
+    mask = guided.allocate_bitmask(1)
+    state.fill_bitmask(mask, 0)
+    logits = torch.zeros(1, vocab)
+    guided.apply_bitmask(logits, mask, [0])
+    assert torch.isinf(logits).any() and guided._xgrammar is None

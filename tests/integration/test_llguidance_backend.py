@@ -125,3 +125,31 @@ def test_strict_mode_closes_objects_that_list_properties(backends, tokenizer):
             assert state.accept_token(token)
         comma = tokenizer.encode(",", add_special_tokens=False)[0]
         assert bool(allowed(llg, state)[comma]) is extra_allowed
+
+
+def test_a_refused_token_leaves_the_state_usable(backends, tokenizer):
+    """Jump-forward offers tokens the grammar may refuse and then goes on with the state."""
+    llg, _ = backends
+    state = llg.new_state(llg.compile(StructuredOutput(regex="[0-9]{3}")))
+    letter, one = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("x", "1"))
+    assert not state.accept_token(letter) and not state.accept_token(tokenizer.eos_token_id)
+    assert allowed(llg, state)[one] and state.accept_token(one)
+
+
+def test_parser_limits_come_from_grammar_limits_and_bound_every_mask(loaded_model, tokenizer):
+    """A grammar past the lexer's limits fails its mask with a 422, where llguidance alone
+    would allow only end-of-sequence (an output that ends early and looks complete)."""
+    from grammar_registry.limits import GrammarLimits
+
+    limits = GrammarLimits(max_lexer_states=50, mask_parser_items=4321, build_lexer_fuel=98765)
+    vocab = int(loaded_model.model.config.vocab_size)
+    llg = LLGuidanceBackend(tokenizer, vocab, [tokenizer.eos_token_id], limits=limits)
+    assert (llg.limits.max_lexer_states, llg.limits.step_max_items) == (50, 4321)
+    assert llg.limits.initial_lexer_fuel == 98765
+    state = llg.new_state(llg.compile(StructuredOutput(regex='"' + "abcdefghij" * 6 + ".*")))
+    mask = llg.allocate_bitmask(1)
+    with pytest.raises(GrammarError, match="parser's limits") as err:
+        for _ in range(64):
+            state.fill_bitmask(mask, 0)
+            state.accept_string(state.jump_forward() or "a")
+    assert err.value.status == 422 and err.value.reason == "limit"

@@ -1,4 +1,6 @@
-"""Grammar-constrained decoding on the real model: every kind, twins, failures, waiting."""
+"""Grammar-constrained decoding on the real model: every kind, twins, failures, waiting; each
+test runs with `grammar_backend="xgrammar"` and `"llguidance"` (rows whose kind llguidance does
+not take, the structural tag, pin xgrammar: a batch mixing backends)."""
 
 from __future__ import annotations
 
@@ -69,9 +71,28 @@ def check(kind: str, text: str) -> None:
         jsonschema.validate(json.loads(m.group(1)), PERSON)
 
 
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend(request) -> str:
+    return str(request.param)
+
+
+def engine_args(backend: str) -> dict:
+    """With the compile service (the default): llguidance's grammars built in the process."""
+    return {"kv_cache_memory": 64 << 20, "grammar_backend": backend}
+
+
 @pytest.fixture(scope="module")
-def llm(loaded_model) -> LLM:
-    return LLM(loaded=loaded_model, kv_cache_memory=64 << 20)
+def llm(loaded_model, backend) -> LLM:
+    llm = LLM(loaded=loaded_model, **engine_args(backend))
+    yield llm
+    llm.engine.grammars.shutdown()
+
+
+def cases(backend: str) -> list[tuple[str, StructuredOutput, str]]:
+    """CASES, the structural tag (xgrammar's format) pinned to xgrammar under llguidance."""
+    if backend == "xgrammar":
+        return CASES
+    return [(q, replace(sp, backend="xgrammar") if k == "tag" else sp, k) for q, sp, k in CASES]
 
 
 def prompt(llm: LLM, question: str) -> list[int]:
@@ -83,9 +104,9 @@ def params(spec: StructuredOutput | None, max_tokens: int = 96) -> SamplingParam
 
 
 @pytest.fixture(scope="module")
-def mixed_batch(llm):
+def mixed_batch(llm, backend):
     prompts = [prompt(llm, q) for q, _, _ in CASES] + [prompt(llm, "Tell me a joke.")]
-    sps = [params(spec) for _, spec, _ in CASES] + [params(None, 24)]
+    sps = [params(spec) for _, spec, _ in cases(backend)] + [params(None, 24)]
     return prompts, sps, llm.generate(prompts, sps)
 
 
@@ -97,16 +118,30 @@ def test_every_kind_gives_output_that_parses(mixed_batch):
     assert outs[0].validated is True and outs[1].validated is True
 
 
+def test_each_row_used_the_backend_asked_for(llm, backend):
+    engine = llm.engine
+    for _, spec, kind in cases(backend):
+        req = engine.add_request(prompt(llm, "a"), params(spec, 1))
+        while req.structured is not None and req.structured.compiled is None:
+            engine.step()
+        assert req.structured is not None and req.structured.compiled is not None
+        expected = "xgrammar" if kind == "tag" else backend
+        assert req.structured.compiled.backend == expected, kind
+        engine.abort(req.request_id)
+        engine.release(req.request_id)
+
+
 def test_unconstrained_rows_in_a_mixed_batch_are_untouched(llm, mixed_batch):
     prompts, sps, outs = mixed_batch
     alone = llm.generate([prompts[-1]], [sps[-1]])[0]
     assert outs[-1].token_ids == alone.token_ids and outs[-1].validated is None
 
 
-def test_overlapped_and_serial_masks_give_identical_tokens(loaded_model, mixed_batch):
+def test_overlapped_and_serial_masks_give_identical_tokens(loaded_model, backend, mixed_batch):
     prompts, sps, outs = mixed_batch
-    serial = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, overlap_masks=False)
+    serial = LLM(loaded=loaded_model, overlap_masks=False, **engine_args(backend))
     assert [o.token_ids for o in serial.generate(prompts, sps)] == [o.token_ids for o in outs]
+    serial.engine.grammars.shutdown()
 
 
 def test_a_bad_grammar_fails_alone_with_the_reason(llm):
@@ -118,9 +153,7 @@ def test_a_bad_grammar_fails_alone_with_the_reason(llm):
     assert outs[1].finish_reason == "stop" and outs[1].text == "red"
 
 
-@pytest.mark.parametrize("engine", ["llm", "guided"])  # xgrammar, then llguidance
-def test_fidelity_warn_reports_and_strict_refuses(request, engine):
-    llm = request.getfixturevalue(engine)
+def test_fidelity_warn_reports_and_strict_refuses(llm):
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
     warn, strict = llm.generate(
         [prompt(llm, "Three numbers as a JSON array.")] * 2,
@@ -135,7 +168,9 @@ def test_fidelity_warn_reports_and_strict_refuses(request, engine):
 
 def test_a_whitespace_streak_cannot_run_to_max_tokens(llm):
     spec = StructuredOutput(grammar='root ::= [ \\t\\n]* "x"', max_whitespace_run=3)
-    forced = StructuredOutput(grammar='root ::= "' + " " * 200 + 'x"', max_whitespace_run=5)
+    # (llguidance's masks let the model write 64 spaces a token; xgrammar's, one: 3 in a row
+    # is a streak under both)
+    forced = StructuredOutput(grammar='root ::= "' + " " * 200 + 'x"', max_whitespace_run=3)
     outs = llm.generate([prompt(llm, "Say x.")] * 2, [params(spec, 64), params(forced, 200)])
     assert outs[0].finish_reason == "stop" and outs[0].text.strip() == "x"
     assert outs[1].finish_reason == "error"
@@ -145,8 +180,8 @@ def test_a_whitespace_streak_cannot_run_to_max_tokens(llm):
 class GatedProvider:
     """Compiles for real, but hands the result out only when the test opens the gate."""
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
+    def __init__(self, backend) -> None:
+        self.backend = backend
         self.gate = threading.Event()
 
     def shutdown(self) -> None:
@@ -157,15 +192,15 @@ class GatedProvider:
 
         def later() -> None:
             self.gate.wait(60)
-            out.set_result(self.inner.backend.compile(spec))
+            out.set_result(self.backend.compile(spec))
 
         threading.Thread(target=later, daemon=True).start()
         return out
 
 
-def test_a_request_waiting_for_its_grammar_does_not_block_the_loop(loaded_model, llm):
-    gated = GatedProvider(llm.engine.grammars.provider)
-    other = LLM(loaded=loaded_model, kv_cache_memory=32 << 20)
+def test_a_request_waiting_for_its_grammar_does_not_block_the_loop(loaded_model, llm, backend):
+    gated = GatedProvider(llm.engine.grammars.backend)
+    other = LLM(loaded=loaded_model, kv_cache_memory=32 << 20, grammar_backend=backend)
     engine = other.engine
     engine.grammars._provider = gated
     waiting = engine.add_request(prompt(other, "Pick."), params(StructuredOutput(choice=["ok"])))
@@ -213,10 +248,11 @@ def test_real_world_schemas_decode_to_valid_json(llm):
             assert out.validated is False  # reported, not hidden
 
 
-def test_jump_forward_outputs_validate_and_save_forward_passes(loaded_model, mixed_batch):
+def test_jump_forward_outputs_validate_and_save_forward_passes(loaded_model, backend, mixed_batch):
     prompts, sps, outs = mixed_batch
-    jf = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, jump_forward=True)
+    jf = LLM(loaded=loaded_model, jump_forward=True, **engine_args(backend))
     jumped = jf.generate(prompts, sps)
+    jf.engine.grammars.shutdown()
     for (_, _, kind), out in zip(CASES, jumped, strict=False):
         assert out.finish_reason == "stop", (kind, out.text, out.warnings)
         check(kind, out.text)
@@ -226,34 +262,6 @@ def test_jump_forward_outputs_validate_and_save_forward_passes(loaded_model, mix
     # greedy, and retokenization canonical for these short forced spans: the same text
     same = sum(a.text == b.text for a, b in zip(jumped, outs, strict=True))
     assert same >= len(outs) - 2, [(a.text, b.text) for a, b in zip(jumped, outs, strict=True)]
-
-
-@pytest.fixture(scope="module")
-def guided(loaded_model) -> LLM:
-    """`grammar_backend="llguidance"`, grammars built in the process (no compile workers)."""
-    return LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_backend="llguidance")
-
-
-def test_every_kind_with_llguidance_in_a_batch_mixing_backends(guided, loaded_model):
-    """The structural tag (xgrammar's format) pins xgrammar: its row shares the bitmask."""
-    cases = [
-        (q, replace(spec, backend="xgrammar") if kind == "tag" else spec, kind)
-        for q, spec, kind in CASES
-    ]
-    prompts = [prompt(guided, q) for q, _, _ in cases]
-    sps = [params(spec) for _, spec, _ in cases]
-    outs = guided.generate(prompts, sps)
-    for (_, _, kind), out in zip(cases, outs, strict=True):
-        assert out.finish_reason == "stop", (kind, out.text, out.warnings)
-        check(kind, out.text)
-    assert outs[0].validated is True and outs[1].validated is True
-    serial = LLM(
-        loaded=loaded_model,
-        kv_cache_memory=64 << 20,
-        grammar_backend="llguidance",
-        overlap_masks=False,
-    )
-    assert [o.token_ids for o in serial.generate(prompts, sps)] == [o.token_ids for o in outs]
 
 
 def test_auto_enforces_what_xgrammar_loosens(loaded_model):

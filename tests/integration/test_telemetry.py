@@ -181,9 +181,11 @@ def test_span_tree_of_one_structured_request(stack, tel):
     assert resolve.parent.span_id == generate.context.span_id
     assert resolve.attributes[spans.CACHE_LEVEL] == "compiled"
     assert resolve.attributes[spans.GRAMMAR_OUTCOME] == "ok"
+    assert resolve.attributes[spans.GRAMMAR_BACKEND] == "xgrammar"
     verdict = one(found, spans.GRAMMAR_VERDICT)  # the grammar service's, through the handle
     assert verdict.parent.span_id == resolve.context.span_id
     assert verdict.attributes[spans.CACHE_LEVEL] == "compiled"
+    assert verdict.attributes[spans.GRAMMAR_BACKEND] == "xgrammar"
     assert verdict.attributes[spans.GRAMMAR_KIND] == "json_schema"
 
     queue, prefill, decode = (one(found, n) for n in (spans.QUEUE, spans.PREFILL, spans.DECODE))

@@ -14,6 +14,8 @@ from services.engine.grammar.fidelity import loosened_keywords
         ),
         ({"type": "number", "multipleOf": 0.5}, ["#/multipleOf: only integers up to 1024"]),
         ({"type": "integer", "multipleOf": 4}, []),
+        # xgrammar drops it beside a range (every integer has one under bound_numbers)
+        ({"type": "integer", "multipleOf": 3, "maximum": 99}, ["#/multipleOf: not enforced"]),
         (
             {"type": "string", "maxLength": 5, "pattern": "^a+$"},
             ["#/minLength,maxLength: not enforced together with pattern/format"],

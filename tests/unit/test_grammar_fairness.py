@@ -238,7 +238,8 @@ def test_the_manager_releases_the_grammar_of_an_aborted_request():
         manager.attach(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"  # the engine's `_finish`
         assert manager.start_validation(req) is False
-        assert req.grammar_future is not None and req.grammar_future.cancelled()
+        assert req.structured is not None and req.structured.future is not None
+        assert req.structured.future.cancelled()
         service.hold.set()
         blocker.result(timeout=5)
         assert until(lambda: provider.dispatcher.snapshot()["running"] == 0)

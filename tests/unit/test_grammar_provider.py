@@ -1,7 +1,7 @@
 import threading
 import time
 
-from services import StructuredOutput
+from services import SamplingParams, StructuredOutput
 from services.engine.grammar.backend import CompiledGrammar
 from services.engine.grammar.provider import LocalGrammarProvider, spec_key
 
@@ -38,3 +38,63 @@ def test_spec_key_is_canonical():
     b = StructuredOutput(json_schema={"a": {"x": 1, "y": 2}, "b": 1})
     assert spec_key(a) == spec_key(b)
     assert spec_key(a) != spec_key(StructuredOutput(json_schema={"a": 1}))
+
+
+def test_a_structured_request_holds_the_one_canonical_key():
+    from services.engine.grammar.manager import GrammarManager
+    from services.engine.request import Request
+
+    manager = GrammarManager(None, 8, [], 4, provider=LocalGrammarProvider(CountingBackend()))  # type: ignore[arg-type]
+    a = StructuredOutput(json_schema={"b": 1, "a": 2})
+    reqs = []
+    for i, spec in enumerate(
+        [
+            a,
+            StructuredOutput(json_schema={"a": 2, "b": 1}),
+            StructuredOutput(json_schema=a.json_schema, max_whitespace_run=3),
+        ]
+    ):
+        req = Request(f"r{i}", [1], SamplingParams(structured=spec), detokenizer=None)  # type: ignore[arg-type]
+        manager.attach(req)
+        reqs.append(req)
+    keys = [r.structured.key for r in reqs]
+    assert keys[0] == keys[1] == spec_key(a) and keys[2] != keys[0]
+    assert all(r.structured.future.result(timeout=5).handle == "json_schema" for r in reqs)
+    assert not reqs[0].ready  # compiled, waiting for the engine to give it a state
+    manager.shutdown()
+
+
+def test_a_downgrade_goes_where_the_backend_that_compiled_it_lives():
+    """llguidance's grammars are refused where they were built (LocalBuilds), xgrammar's in the
+    compile service's verdicts."""
+    from types import SimpleNamespace
+
+    from grammar_registry import GrammarSpec
+    from services.compiler import ServiceGrammarProvider
+    from services.engine.grammar import GrammarError
+
+    calls: list[tuple[str, str]] = []
+
+    class Local:
+        def downgrade(self, spec, tenant, error):
+            calls.append(("local", tenant))
+
+        def close(self):
+            pass
+
+    service = SimpleNamespace(
+        key=lambda spec, scope="shared": f"{scope}:{spec.canonical()}",
+        resolve=lambda tenant, gid: GrammarSpec(kind="regex", source=gid),
+        downgrade=lambda spec, tenant, scope, reason, error: calls.append(("service", tenant)),
+        close=lambda: None,
+    )
+    provider = ServiceGrammarProvider(None, service, local=Local())  # type: ignore[arg-type]
+    error = GrammarError("structured.regex: masks slower than the budget", "slow_mask", 422)
+    spec = StructuredOutput(regex="a+")
+    provider.downgrade(spec, "t1", error, "llguidance")
+    provider.downgrade(spec, "t2", error, "xgrammar")
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls == [("local", "t1"), ("service", "t2")]
+    provider.shutdown()

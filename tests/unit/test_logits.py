@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services import SamplingParams
+from services import SamplingParams, StructuredOutput
 from services.engine import logits as processors
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.request import Request
+from services.engine.request import Request, StructuredRequest
 
 V = 12
 
@@ -74,7 +74,7 @@ def test_batched_equals_one_row_at_a_time(i):
 
 def test_min_tokens_leaves_a_constrained_request_to_its_grammar():
     r = req([4], [], min_tokens=3)
-    r.grammar = object()  # type: ignore[assignment]
+    r.structured = StructuredRequest(StructuredOutput(choice=["a"]), "k", state=object())  # type: ignore[arg-type]
     logits = torch.zeros(1, V)
     processors.apply(logits, [r])
     assert torch.isfinite(logits).all()

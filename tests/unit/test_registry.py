@@ -146,6 +146,14 @@ def test_verdict_round_trips_and_refuses_foreign_bytes():
         Verdict.decode(b"{'pickled': 1}")
 
 
+def test_a_verdict_names_its_backend_and_one_stored_before_that_reads_as_xgrammar():
+    guided = Verdict(ok=True, mask_ms=0.2, backend="llguidance")
+    assert Verdict.decode(guided.encode()).backend == "llguidance"
+    head = json.dumps({"ok": True, "warnings": [], "compile_s": 0.1}).encode()
+    older = b"SSV1" + len(head).to_bytes(4, "big") + head  # a header without `backend`
+    assert Verdict.decode(older).backend == "xgrammar"
+
+
 def test_lru_is_bounded_in_bytes():
     lru = LRUBytes(100)
     for i in range(5):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import xgrammar as xgr
 
 from services.engine.params import StructuredOutput
 
@@ -56,6 +57,20 @@ class GrammarState(Protocol):
     def jump_forward(self) -> str:
         """The text the grammar forces next ('' when none)."""
         ...
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """The one bitmask layout every backend fills: int32 words, token `t` at bit `t % 32` of
+    word `t // 32`. Needs no tokenizer, so no backend is built for it."""
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int
+) -> None:
+    """Masks `rows` of `logits` in place (xgrammar's kernel, which takes row indices)."""
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
 
 
 class GrammarBackend(Protocol):

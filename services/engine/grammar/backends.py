@@ -4,8 +4,9 @@ backend its request pins (`StructuredOutput.backend`), else the engine's (`gramm
 `auto` picks per grammar:
 - JSON (`json_schema`, `json_object`): llguidance when it enforces every keyword of the schema
   (no compile step: its first mask takes milliseconds where xgrammar compiles for up to seconds),
-  else xgrammar when it does, else the one that loosens fewer keywords (the loosened ones are in
-  `warnings`; `fidelity="strict"` refuses the schema only when both would loosen it).
+  else xgrammar when it does, else the one that loosens fewer keywords, llguidance on a tie or
+  when xgrammar refuses the schema (the loosened ones are in `warnings`; `fidelity="strict"`
+  refuses the schema only when both would loosen it).
 - regex, choice, EBNF/Lark grammars and structural tags: xgrammar, whose dialects our docs and
   callers use (llguidance reads `\\d` as any Unicode digit, and has no structural tags of that
   format).
@@ -15,12 +16,20 @@ apply, and a batch may mix them.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from services.engine.grammar.backend import CompiledGrammar, GrammarError, GrammarState
+from grammar_registry.limits import GrammarLimits
+from services.engine.grammar.backend import (
+    CompiledGrammar,
+    GrammarError,
+    GrammarState,
+    allocate_bitmask,
+    apply_bitmask,
+)
 from services.engine.grammar.xgrammar_backend import XGrammarBackend
 from services.engine.params import GRAMMAR_BACKENDS
 
@@ -40,6 +49,7 @@ class Backends:
         stop_token_ids: list[int],
         default: str = "xgrammar",
         xgrammar: XGrammarBackend | None = None,
+        limits: GrammarLimits | None = None,
     ) -> None:
         check_name("grammar_backend", default)
         self.default = default
@@ -47,21 +57,31 @@ class Backends:
         self._args = (tokenizer, vocab_size, stop_token_ids)
         self._xgrammar = xgrammar
         self._llguidance: Any = None
+        self.limits = limits or GrammarLimits()
+        self._building = threading.Lock()  # build threads and the engine thread may all ask
+
+    def use_limits(self, limits: GrammarLimits) -> None:
+        """llguidance's parser limits from now on (the compile service's `GrammarLimits`)."""
+        self.limits = limits
+        if self._llguidance is not None:
+            self._llguidance.use_limits(limits)
 
     # Each built on first use: unconstrained traffic never pays for a tokenizer scan.
     @property
     def xgrammar(self) -> XGrammarBackend:
-        if self._xgrammar is None:
-            self._xgrammar = XGrammarBackend(*self._args)
-        return self._xgrammar
+        with self._building:
+            if self._xgrammar is None:
+                self._xgrammar = XGrammarBackend(*self._args)
+            return self._xgrammar
 
     @property
     def llguidance(self) -> Any:
-        if self._llguidance is None:
-            from services.engine.grammar.llguidance_backend import LLGuidanceBackend
+        with self._building:
+            if self._llguidance is None:
+                from services.engine.grammar.llguidance_backend import LLGuidanceBackend
 
-            self._llguidance = LLGuidanceBackend(*self._args)
-        return self._llguidance
+                self._llguidance = LLGuidanceBackend(*self._args, limits=self.limits)
+            return self._llguidance
 
     def get(self, name: str) -> Any:
         return self.llguidance if name == "llguidance" else self.xgrammar
@@ -75,26 +95,36 @@ class Backends:
     def _auto(self, spec: Any) -> CompiledGrammar:
         if spec.json_schema is None and not spec.json_object:
             return self.xgrammar.compile(spec)
-        warn = replace(spec, fidelity="warn")  # each backend's report, strict judged here
         try:
-            guided = self.llguidance.compile(warn)
+            guided = self.llguidance.compile(replace(spec, fidelity="warn"))
         except GrammarError:  # llguidance cannot build it: xgrammar decides alone
             return self.xgrammar.compile(spec)
         if not guided.warnings:
             return guided
-        compiled = self.xgrammar.compile(warn)
-        if compiled.warnings and spec.fidelity == "strict":
-            return self.xgrammar.compile(spec)  # raises: neither enforces every keyword
-        if compiled.warnings and len(guided.warnings) <= len(compiled.warnings):
+        try:
+            compiled = self.xgrammar.compile(spec)  # raises under strict when it loosens too
+        except GrammarError:
+            if spec.fidelity == "strict":
+                raise
             return guided
-        return compiled
+        return prefer(guided, compiled)
 
     def new_state(self, compiled: CompiledGrammar) -> GrammarState:
         state: GrammarState = self.get(compiled.backend).new_state(compiled)
         return state
 
+    # The shared layout needs no backend: an llguidance-only engine never scans the tokenizer
+    # for xgrammar.
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return self.xgrammar.allocate_bitmask(rows)
+        return allocate_bitmask(rows, self.vocab_size)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        self.xgrammar.apply_bitmask(logits, bitmask, rows)
+        apply_bitmask(logits, bitmask, rows, self.vocab_size)
+
+
+def prefer(guided: CompiledGrammar, compiled: CompiledGrammar) -> CompiledGrammar:
+    """`auto` between llguidance's grammar, which loosens some keyword, and xgrammar's: the
+    one that loosens fewer (llguidance on a tie: its first mask comes sooner)."""
+    if compiled.warnings and len(guided.warnings) <= len(compiled.warnings):
+        return guided
+    return compiled

@@ -23,9 +23,14 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
-import xgrammar as xgr
 
-from services.engine.grammar.backend import CompiledGrammar, GrammarError
+from grammar_registry.limits import GrammarLimits
+from services.engine.grammar.backend import (
+    CompiledGrammar,
+    GrammarError,
+    allocate_bitmask,
+    apply_bitmask,
+)
 from services.engine.grammar.fidelity import loosened_keywords
 from services.engine.grammar.xgrammar_backend import fidelity_error, grammar_syntax, json_schema_of
 from services.engine.params import StructuredOutput
@@ -34,17 +39,17 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 
-def parser_limits() -> llguidance.LLParserLimits:
-    """llguidance's parser budgets, spelled out (its defaults): the lexer fuel bounds the work
-    of one mask, the grammar size what one spec may expand to. Admission sets them from
-    `GrammarLimits` once the compile service knows this backend."""
+def parser_limits(limits: GrammarLimits) -> llguidance.LLParserLimits:
+    """llguidance's parser budgets from the deployment's `GrammarLimits` (their meaning is there).
+    Terse errors: the parser state it would print holds the output so far."""
     return llguidance.LLParserLimits(
-        max_items_in_row=2000,
-        initial_lexer_fuel=1_000_000,
-        step_lexer_fuel=200_000,
-        step_max_items=50_000,
-        max_lexer_states=250_000,
-        max_grammar_size=500_000,
+        max_items_in_row=limits.max_items_in_row,
+        initial_lexer_fuel=limits.build_lexer_fuel,
+        step_lexer_fuel=limits.mask_lexer_fuel,
+        step_max_items=limits.mask_parser_items,
+        max_lexer_states=limits.max_lexer_states,
+        max_grammar_size=limits.max_grammar_symbols,
+        verbose_errors=False,
     )
 
 
@@ -128,22 +133,50 @@ def _utf8_prefix(data: bytes) -> str:
     return ""
 
 
+def _first_line(error: str) -> str:
+    """llguidance's error without the lines after the first (they echo the grammar)."""
+    return (error.strip().splitlines() or ["unknown error"])[0][:300]
+
+
+def _over_limits(matcher: llguidance.LLMatcher) -> GrammarError:
+    """A matcher that ran past its parser limits (it then allows only end-of-sequence: left
+    alone, the output would end early and look finished)."""
+    first = _first_line(matcher.get_error())
+    return GrammarError(
+        f"structured: the grammar ran past the parser's limits ({first})",
+        reason="limit",
+        status=422,
+    )
+
+
 class LLGuidanceState:
-    def __init__(self, matcher: llguidance.LLMatcher, eos: frozenset[int]) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, eos: frozenset[int], tokenizer: llguidance.LLTokenizer
+    ) -> None:
         self._m = matcher
         self._eos = eos
+        self._tokenizer = tokenizer
         self._terminated = False
 
     def accept_token(self, token_id: int) -> bool:
+        """False for a token the grammar refuses (the matcher is left as it was: `consume_token`
+        would put it in an error state for good); raises `GrammarError` when the parser runs
+        past its limits on it."""
         if self._terminated:
             return False
         if token_id in self._eos and (self._m.is_stopped() or self._m.is_accepting()):
             self._terminated = True  # llguidance does not record it: see the module's doc
             return True
-        return bool(self._m.consume_token(token_id)) and not self._m.is_error()
+        if self._m.try_consume_tokens([token_id]) == 1:
+            return True
+        if self._m.is_error():
+            raise _over_limits(self._m)
+        return False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        if self._m.is_error():
+            raise _over_limits(self._m)
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -161,15 +194,33 @@ class LLGuidanceState:
             return ""
         return _utf8_prefix(self._m.compute_ff_bytes())
 
+    def accept_string(self, text: str) -> bool:
+        """Accepts text the grammar forces, in any tokenization (the admission probe)."""
+        tokens = self._tokenizer.tokenize_str(text)
+        consumed = self._m.try_consume_tokens(tokens)
+        if self._m.is_error():
+            raise _over_limits(self._m)
+        return consumed == len(tokens)
+
 
 class LLGuidanceBackend:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        limits: GrammarLimits | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None
         )
         self._eos = frozenset(stop_token_ids)
-        self.limits = parser_limits()
+        self.use_limits(limits or GrammarLimits())
+
+    def use_limits(self, limits: GrammarLimits) -> None:
+        """The parser limits of grammars built from now on (the compile service's)."""
+        self.limits = parser_limits(limits)
 
     def grammar_text(self, spec: StructuredOutput) -> tuple[str, dict[str, Any] | None]:
         """llguidance's grammar for a spec, and the schema outputs are validated against."""
@@ -211,19 +262,17 @@ class LLGuidanceBackend:
             raise GrammarError(f"structured.{spec.kind}: {str(exc)[:300]}") from exc
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
         if matcher.is_error():
-            raise GrammarError(f"structured.{spec.kind}: {matcher.get_error()[:300]}")
+            raise GrammarError(f"structured.{spec.kind}: {_first_line(matcher.get_error())}")
         warnings = unenforced(matcher.get_grammar_warnings(), schema)
         if warnings and spec.fidelity == "strict":
             raise fidelity_error(warnings)
         return CompiledGrammar(matcher, warnings, schema, backend="llguidance")
 
     def new_state(self, compiled: CompiledGrammar) -> LLGuidanceState:
-        return LLGuidanceState(compiled.handle.deep_copy(), self._eos)
+        return LLGuidanceState(compiled.handle.deep_copy(), self._eos, self.tokenizer)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return llguidance.torch.allocate_token_bitmask(rows, self.vocab_size)
+        return allocate_bitmask(rows, self.vocab_size)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        # the same layout as xgrammar's, whose apply takes row indices (llguidance's does not)
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        apply_bitmask(logits, bitmask, rows, self.vocab_size)

@@ -12,6 +12,7 @@ grammar is refused at admission instead of slowing its batch down again.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -24,10 +25,10 @@ from services.engine.grammar.backend import GrammarError
 from services.engine.grammar.backends import Backends
 from services.engine.grammar.finish import MAX_UNIT, repeated_unit
 from services.engine.grammar.masks import MaskFiller, PendingMasks
-from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider
+from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider, spec_key
 from services.engine.grammar.validation import OutputValidator
 from services.engine.params import FinishReason
-from services.engine.request import Request
+from services.engine.request import Request, StructuredRequest
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +143,19 @@ class GrammarManager:
 
     def attach(self, req: Request) -> None:
         """Starts compiling the request's grammar; the request waits in the queue meanwhile."""
-        assert req.params.structured is not None
-        req.grammar_future = self.provider.submit(req.params.structured, req.tenant)
+        spec = req.params.structured
+        assert spec is not None
+        req.structured = StructuredRequest(spec, spec_key(spec))
+        req.structured.future = self.provider.submit(spec, req.tenant)
         self._pending.append(req)
 
     def resolve(self) -> list[Failure]:
         """Gives finished compiles their grammar state; returns requests whose grammar failed."""
         failed, still = [], []
         for req in self._pending:
-            fut = req.grammar_future
-            if fut is None:
+            s = req.structured
+            fut = s.future if s is not None else None
+            if s is None or fut is None:
                 continue
             if req.finished:
                 self._release(req)
@@ -161,20 +165,21 @@ class GrammarManager:
                 continue
             try:
                 self.check("grammar", req)
-                req.compiled = fut.result()
-                req.grammar = self.backend.new_state(req.compiled)
+                s.compiled = fut.result()
+                s.state = self.backend.new_state(s.compiled)
             except Exception as exc:  # a GrammarError carries its status; anything else is ours
                 status = int(getattr(exc, "status", 500))
                 reason = str(exc) if isinstance(exc, GrammarError) else _internal("grammar", exc)
                 failed.append(Failure(req, reason[:300], status))
                 continue
-            req.warnings.extend(req.compiled.warnings)
+            req.warnings.extend(s.compiled.warnings)
         self._pending = still
         return failed
 
     def _release(self, req: Request) -> None:
         """The request left (aborted, or failed elsewhere) before its grammar came."""
-        fut, provider = req.grammar_future, self._provider
+        fut = req.structured.future if req.structured is not None else None
+        provider = self._provider
         if fut is not None and not fut.done() and isinstance(provider, _Releasing):
             provider.release(fut)
 
@@ -182,7 +187,9 @@ class GrammarManager:
         """Blocks briefly when the only work left is grammars being compiled or outputs being
         validated (no busy loop)."""
         futures: list[Future[Any]] = [
-            r.grammar_future for r in self._pending if r.grammar_future is not None
+            r.structured.future
+            for r in self._pending
+            if r.structured is not None and r.structured.future is not None
         ]
         futures += [r.validation.future for r in validating if r.validation is not None]
         if futures:
@@ -201,50 +208,66 @@ class GrammarManager:
             return []
         failed = []
         for i, req in pending.rows:
+            s = req.structured
+            assert s is not None  # rows with a grammar state
             exc = masks.failed.get(i)
+            if isinstance(exc, GrammarError):  # past the backend's own limits (llguidance's)
+                failed.append(self._refuse(req, s, exc))
+                continue
             if exc is not None:
                 failed.append(Failure(req, _internal("mask", exc), 500))
                 continue
             seconds = masks.seconds.get(i, 0.0)
-            req.mask_seconds += seconds
             if seconds > self._mask_budget_s:
-                req.mask_over_budget_s += seconds
-            if req.mask_over_budget_s >= self._mask_strikes * self._mask_budget_s:
-                failed.append(self._out_of_mask_budget(req))
+                s.mask_over_budget_s += seconds
+            if s.mask_over_budget_s >= self._mask_strikes * self._mask_budget_s:
+                failed.append(self._out_of_mask_budget(req, s))
         return failed
 
-    def _out_of_mask_budget(self, req: Request) -> Failure:
+    def _out_of_mask_budget(self, req: Request, s: StructuredRequest) -> Failure:
         budget_ms = self._mask_budget_s * 1000
-        spec = req.params.structured
-        kind = spec.kind if spec is not None else "grammar"
         error = GrammarError(
-            f"structured.{kind}: masks slower than the budget ({budget_ms:g} ms a mask) took "
-            f"{req.mask_over_budget_s * 1000:.0f} ms while decoding; the grammar is refused",
+            f"structured.{s.spec.kind}: masks slower than the budget ({budget_ms:g} ms a mask) "
+            f"took {s.mask_over_budget_s * 1000:.0f} ms while decoding; the grammar is refused",
             reason="slow_mask",
             status=422,
         )
         self.slow_mask_failures += 1
-        if spec is not None:
-            try:
-                self.provider.downgrade(spec, req.tenant, error)
-            except Exception:  # the request fails either way; the next one meets it again
-                log.warning("grammar: downgrading a slow verdict failed", exc_info=True)
-        return Failure(req, str(error), error.status)
+        return self._refuse(req, s, error)
+
+    def _refuse(self, req: Request, s: StructuredRequest, error: GrammarError) -> Failure:
+        """Fails the request, and refuses its grammar to its tenant from now on: a grammar
+        that passed admission's probe but proved slow or past its limits while decoding is
+        not admitted again on the next request."""
+        backend = s.compiled.backend if s.compiled is not None else "xgrammar"
+        digest = hashlib.sha256(s.key.encode()).hexdigest()[:12]  # no tenant's schema in logs
+        log.info("grammar %s (%s, %s): refused (%s)", digest, s.spec.kind, backend, error.reason)
+        try:
+            self.provider.downgrade(s.spec, req.tenant, error, backend)
+        except Exception:  # the request fails either way; the next one meets it again
+            log.warning("grammar: downgrading a verdict failed", exc_info=True)
+        return Failure(req, str(error)[:300], error.status)
 
     def accept(self, req: Request, token: int) -> FinishReason | None:
         """Advances the request's grammar: "stop" once it terminated; raises `RequestError`
         when the request cannot go on."""
-        state, spec = req.grammar, req.params.structured
-        if state is None or spec is None:
+        s = req.structured
+        state = s.state if s is not None else None
+        if s is None or state is None:
             return None
-        if not state.accept_token(token):  # the mask allowed it: a backend inconsistency
+        try:
+            accepted = state.accept_token(token)
+        except GrammarError as exc:  # past the backend's own limits (llguidance's)
+            raise RequestError(str(exc)[:300], exc.status) from exc
+        if not accepted:  # the mask allowed it: a backend inconsistency
             raise RequestError(f"grammar: rejected the sampled token {token}", status=500)
         if state.is_terminated():
             return "stop"
-        req.whitespace_run = req.whitespace_run + 1 if self._is_whitespace(token) else 0
-        if req.whitespace_run >= spec.max_whitespace_run:
+        spec = s.spec
+        s.whitespace_run = s.whitespace_run + 1 if self._is_whitespace(token) else 0
+        if s.whitespace_run >= spec.max_whitespace_run:
             raise RequestError(
-                f"structured.max_whitespace_run: {req.whitespace_run} whitespace-only tokens"
+                f"structured.max_whitespace_run: {s.whitespace_run} whitespace-only tokens"
             )
         run = spec.max_repeat_run
         if run is not None and self._may_repeat(req, token, run):
@@ -318,14 +341,11 @@ class GrammarManager:
         nothing to validate. Every request passes here as it finishes: one still waiting for
         its grammar stops waiting (an idle engine may not step again to notice)."""
         self._release(req)
-        if (
-            req.compiled is None
-            or req.compiled.schema is None
-            or req.finish_reason in ("error", "abort")
-        ):
+        compiled = req.structured.compiled if req.structured is not None else None
+        if compiled is None or compiled.schema is None or req.finish_reason in ("error", "abort"):
             return False
         req.validation = self.validator.submit(
-            req.compiled, req.detokenizer.text, lambda: self.check("validate", req)
+            compiled, req.detokenizer.text, lambda: self.check("validate", req)
         )
         return True
 

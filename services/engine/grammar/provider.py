@@ -25,9 +25,12 @@ class GrammarProvider(Protocol):
         `tenant` scopes `grammar_id` lookups and compile quotas."""
         ...
 
-    def downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
-        """The grammar proved too costly while decoding: refuse it from now on with `error`
-        (for `tenant` at least). Must not block: the engine thread calls it."""
+    def downgrade(
+        self, spec: StructuredOutput, tenant: str, error: GrammarError, backend: str = "xgrammar"
+    ) -> None:
+        """The grammar `backend` compiled for `spec` proved too costly while decoding: refuse
+        it from now on with `error` (for `tenant` at least; under `auto` another backend may
+        take the spec). Must not block: the engine thread calls it."""
         ...
 
 
@@ -62,7 +65,9 @@ class LocalGrammarProvider:
                 self._cache.popitem(last=False)
             return fut
 
-    def downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
+    def downgrade(
+        self, spec: StructuredOutput, tenant: str, error: GrammarError, backend: str = "xgrammar"
+    ) -> None:
         refused: Future[CompiledGrammar] = Future()
         refused.set_exception(error)
         with self._lock:

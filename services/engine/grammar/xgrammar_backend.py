@@ -9,7 +9,12 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from services.engine.grammar.backend import CompiledGrammar, GrammarError
+from services.engine.grammar.backend import (
+    CompiledGrammar,
+    GrammarError,
+    allocate_bitmask,
+    apply_bitmask,
+)
 from services.engine.grammar.fidelity import loosened_in_tag, loosened_keywords
 from services.engine.grammar.finish import bounded
 from services.engine.params import StructuredOutput
@@ -166,8 +171,7 @@ class XGrammarBackend:
         return XGrammarState(xgr.GrammarMatcher(compiled.handle))
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+        return allocate_bitmask(rows, self.vocab_size)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        apply_bitmask(logits, bitmask, rows, self.vocab_size)
