@@ -68,6 +68,10 @@ class CompilerConfig(BaseModel):
     max_inflight_per_tenant: int = Field(default=4, ge=1)
     # Store the blob only when loading it is clearly faster than compiling it again.
     blob_gain: float = Field(default=0.8, gt=0)
+    # A compile faster than this is never shipped as a blob: serializing a compiled grammar of
+    # this tokenizer's vocabulary takes ~65 ms and loading it ~25 ms, where such a compile
+    # takes ~15 ms, so the worker would spend most of its time on a blob nobody keeps.
+    blob_min_compile_s: float = Field(default=0.1, ge=0)
     fetch_overhead_s: float = Field(default=0.002, ge=0)
     fetch_bytes_per_s: float = Field(default=200e6, gt=0)
     redis_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
@@ -229,6 +233,7 @@ class CompileService:
             "spec": spec.model_dump_json(),
             "mask_budget_ms": cfg.mask_budget_ms,
             "probe_steps": cfg.probe_steps,
+            "blob_min_compile_s": cfg.blob_min_compile_s,
             "seed": 0,
         }
         start = time.perf_counter()
@@ -246,18 +251,19 @@ class CompileService:
                 compile_s=out.get("compile_s", 0.0),
                 mask_ms=out.get("mask_ms", 0.0),
             )
-        blob: bytes = out["blob"]
+        blob: bytes | None = out.get("blob")  # None: the compile was too quick to ship
         # Loading also pays for moving the blob out of Redis and a fixed round trip: a blob is
         # kept only when all of that still beats compiling by a margin.
-        fetch_s = cfg.fetch_overhead_s + len(blob) / cfg.fetch_bytes_per_s
-        keep = out["load_s"] + fetch_s < cfg.blob_gain * out["compile_s"]
+        size = len(blob) if blob is not None else 0
+        fetch_s = cfg.fetch_overhead_s + size / cfg.fetch_bytes_per_s
+        keep = blob is not None and out["load_s"] + fetch_s < cfg.blob_gain * out["compile_s"]
         return Verdict(
             ok=True,
             warnings=out["warnings"],
             compile_s=out["compile_s"],
-            load_s=out["load_s"],
+            load_s=out.get("load_s", 0.0),
             mask_ms=out["mask_ms"],
-            blob_bytes=len(blob),
+            blob_bytes=size,
             blob=blob if keep else None,  # None: "compile locally" is faster
         )
 

@@ -97,7 +97,8 @@ def _read_new(log: Any, max_lines: int = 20) -> list[str]:
 
 
 def compile_job(backend: Any, job: dict[str, Any]) -> dict[str, Any]:
-    """`job`: `spec` (GrammarSpec JSON), `mask_budget_ms`, `probe_steps`."""
+    """`job`: `spec` (GrammarSpec JSON), `mask_budget_ms`, `probe_steps`, `blob_min_compile_s`
+    (a quicker compile ships no blob: the replica compiles it again faster than it would load)."""
     from grammar_registry.specs import GrammarSpec
     from services.compiler.specs import to_structured
     from services.engine.grammar.backend import GrammarError
@@ -121,19 +122,20 @@ def compile_job(backend: Any, job: dict[str, Any]) -> dict[str, Any]:
             "compile_s": compile_s,
             "mask_ms": mask_ms,
         }
+    verdict = {
+        "ok": True,
+        "warnings": compiled.warnings,
+        "compile_s": compile_s,
+        "mask_ms": mask_ms,
+    }
+    if compile_s < job.get("blob_min_compile_s", 0.0):
+        return verdict
     blob_json = compiled.handle.serialize_json()
     blob = zlib.compress(blob_json.encode(), 1)
     start = time.perf_counter()
     backend.load(zlib.decompress(blob).decode())
     load_s = time.perf_counter() - start
-    return {
-        "ok": True,
-        "warnings": compiled.warnings,
-        "compile_s": compile_s,
-        "load_s": load_s,
-        "mask_ms": mask_ms,
-        "blob": blob,
-    }
+    return {**verdict, "load_s": load_s, "blob": blob}
 
 
 if __name__ == "__main__":

@@ -66,7 +66,10 @@ def backend(llm) -> XGrammarBackend:
 def service(backend, rclient):
     svc = CompileService(
         backend.tokenizer_info,
-        CompilerConfig(workers=2, deadline_s=DEADLINE_S, verdict_secret=SECRET),
+        # every compile ships its blob here: these tests are about storing and loading them
+        CompilerConfig(
+            workers=2, deadline_s=DEADLINE_S, verdict_secret=SECRET, blob_min_compile_s=0
+        ),
         redis=rclient,
     )
     assert svc.pool.wait_ready()
@@ -99,6 +102,18 @@ def test_verdicts_are_stored_in_redis_and_reused(service, rclient):
     assert again.ok and service.compiles == before + 1
     # a blob is stored only where loading beat compiling; otherwise the entry says compile locally
     assert (again.blob is not None) == (first.load_s < service.config.blob_gain * first.compile_s)
+
+
+def test_a_quick_compile_ships_no_blob(backend):
+    from services.compiler.worker import compile_job
+
+    job = {"spec": GrammarSpec(kind="json_schema", source=person("size")).model_dump_json()}
+    job |= {"mask_budget_ms": 20.0, "probe_steps": 8, "seed": 0}
+    quick = compile_job(backend, {**job, "blob_min_compile_s": 60.0})
+    shipped = compile_job(backend, {**job, "blob_min_compile_s": 0.0})
+    assert quick["ok"] and "blob" not in quick and quick["mask_ms"] > 0
+    assert shipped["ok"] and len(shipped["blob"]) > 0 and shipped["load_s"] > 0
+    assert quick["warnings"] == shipped["warnings"]
 
 
 def test_cached_and_fresh_grammars_decode_the_same_tokens(llm, provider, service):
