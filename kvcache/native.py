@@ -85,26 +85,6 @@ class PagedKernel:
             raise MemoryError("paged attention: no memory for a row's scores")
 
 
-MADV_HUGEPAGE = 14
-HUGE_PAGE = 2 << 20
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Asks Linux to back a CPU tensor not yet written with 2 MiB pages (where transparent huge
-    pages are on `madvise`): attention reads pages scattered over the whole pool, and with 4 KiB
-    pages nearly every KV page read misses the TLB (the kernel ran ~15% faster on random pages)."""
-    if t.device.type != "cpu" or platform.system() != "Linux":
-        return False
-    start = t.data_ptr()
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = (start + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [_PTR, ctypes.c_size_t, ctypes.c_int]
-    return bool(libc.madvise(lo, hi - lo, MADV_HUGEPAGE) == 0)
-
-
 def _cpu_features() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from kvcache.native import PagedKernel, advise_huge_pages
+from kvcache.native import PagedKernel
 
 
 class OutOfPages(RuntimeError):
@@ -28,6 +28,10 @@ class PageAllocator:
     A page is handed out with one reference; `free` drops one and the page is free again at zero.
     Only the prefix cache (`kvcache.prefix`) takes a second reference, to share a page.
     `on_first_use` is called with pages handed out for the first time (the pool zeroes them).
+
+    The free list is a stack: the page freed last is handed out first. Its memory is still in
+    the caches and mapped, where a page never used costs a first write (and, on CPU, the
+    operating system's page faults) before any token lands in it.
     """
 
     def __init__(
@@ -36,7 +40,7 @@ class PageAllocator:
         if num_pages < 1:
             raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: deque[int] = deque(range(num_pages - 1, -1, -1))  # page 0 on top
         self._refs = [0] * num_pages
         self._touched = [False] * num_pages
         self._on_first_use = on_first_use
@@ -78,7 +82,7 @@ class PageAllocator:
         return self._refs[page]
 
     def _take(self, n: int) -> list[int]:
-        return [self._free.popleft() for _ in range(n)]
+        return [self._free.pop() for _ in range(n)]
 
     def _released(self, page: int) -> None:
         self._free.append(page)
@@ -153,8 +157,6 @@ class PagedKVCache:
         # Post-RoPE keys: every policy that scores keys (Quest bounds, SnapKV) wants them rotated.
         self.keys = torch.empty(shape, dtype=layout.dtype, device=device)
         self.values = torch.empty(shape, dtype=layout.dtype, device=device)
-        for pool in (self.keys, self.values):
-            advise_huge_pages(pool)  # before the first write: 2 MiB pages where the OS allows
         self.allocator = allocator(num_pages, on_first_use=self._zero_pages)
         self._zero_pages([0])  # page 0 pads every gather
         self._workspace = torch.empty(0, dtype=layout.dtype, device=device)
