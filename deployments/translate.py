@@ -61,7 +61,14 @@ def _response_format(body: Any) -> dict[str, Any] | None:
     return None
 
 
-def _structured_outputs(body: Any) -> dict[str, Any] | None:
+_ONE_KIND = (
+    "structured_outputs: set exactly one of json, regex, choice, grammar, structural_tag, "
+    "grammar_id"
+)
+
+
+def _structured_kind(body: Any) -> dict[str, Any] | None:
+    """The constraint `structured_outputs` names, if it names one."""
     so = body.structured_outputs
     if so is None:
         return None
@@ -74,25 +81,32 @@ def _structured_outputs(body: Any) -> dict[str, Any] | None:
         "grammar_id": so.grammar_id,
     }
     given = {k: v for k, v in kinds.items() if v is not None}
-    if len(given) != 1:
-        raise BadRequest(
-            "structured_outputs: set exactly one of json, regex, choice, grammar, "
-            "structural_tag, grammar_id",
-            "structured_outputs",
-        )
+    if len(given) > 1:
+        raise BadRequest(_ONE_KIND, "structured_outputs")
+    return given or None
+
+
+def _structured_options(body: Any) -> dict[str, Any]:
+    """`structured_outputs`' options, explicitly set ones only: they apply to the constraint it
+    names, or, naming none, to the request's other one (`response_format`, tools, the aliases),
+    so a client's `response_format` can still pin a backend."""
+    so = body.structured_outputs
+    if so is None:
+        return {}
     if so.whitespace_pattern is not None:
         raise BadRequest(
             "structured_outputs.whitespace_pattern: not supported (use disable_any_whitespace)",
             "structured_outputs.whitespace_pattern",
         )
+    options: dict[str, Any] = {}
     if so.disable_any_whitespace:
-        given["compact"] = True
+        options["compact"] = True
     if so.disable_additional_properties:
-        given["strict"] = True  # xgrammar's strict mode: no properties the schema does not list
-    given["bound_numbers"], given["max_repeat_run"] = so.bound_numbers, so.max_repeat_run
-    if so.backend is not None:
-        given["backend"] = so.backend
-    return given
+        options["strict"] = True  # xgrammar's strict mode: no properties the schema does not list
+    for name in ("bound_numbers", "max_repeat_run", "backend"):
+        if name in so.model_fields_set:
+            options[name] = getattr(so, name)
+    return options
 
 
 def _chosen(body: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -101,7 +115,7 @@ def _chosen(body: Any) -> list[tuple[str, dict[str, Any]]]:
         chosen.append(("tools", {"structural_tag": tag}))
     if (rf := _response_format(body)) is not None:
         chosen.append(("response_format", rf))
-    if (so := _structured_outputs(body)) is not None:
+    if (so := _structured_kind(body)) is not None:
         chosen.append(("structured_outputs", so))
     if getattr(body, "grammar_id", None) is not None:
         chosen.append(("grammar_id", {"grammar_id": body.grammar_id}))
@@ -119,12 +133,16 @@ def structured_from(body: Any) -> StructuredOutput | None:
         field = "guided_whitespace_pattern"
         raise BadRequest(f"{field}: not supported (use disable_any_whitespace)", field)
     chosen = _chosen(body)
+    options = _structured_options(body) if hasattr(body, "structured_outputs") else {}
     if not chosen:
+        if getattr(body, "structured_outputs", None) is not None:
+            raise BadRequest(_ONE_KIND, "structured_outputs")  # options with nothing to apply to
         return None
     if len(chosen) > 1:
         names = ", ".join(name for name, _ in chosen)
         raise BadRequest(f"{names}: give one way of constraining the output", chosen[1][0])
     field, kwargs = chosen[0]
+    kwargs = {**kwargs, **options}
     tag = kwargs.get("structural_tag")
     if isinstance(tag, str):  # (vLLM sends it as a JSON string)
         try:

@@ -201,6 +201,19 @@ def test_structured_outputs_can_pin_the_llguidance_backend(client):
             assert re.fullmatch("[0-9]{3}", text), text
         else:
             assert isinstance(json.loads(text)["ok"], bool), text
+    # OpenAI's response_format, with the backend pinned by a structured_outputs of options only
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        max_tokens=24,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}},
+        extra_body={
+            "structured_outputs": {"backend": "llguidance", "disable_any_whitespace": True}
+        },
+    )
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    assert isinstance(json.loads(out.choices[0].message.content)["ok"], bool)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
             model=MODEL,

@@ -211,3 +211,18 @@ def test_screen_refuses_a_schema_over_the_size_limit_before_walking_it(monkeypat
     wide = {"enum": ["é" * 600]}  # 600 characters, 1200 bytes
     with pytest.raises(BadRequest, match="max_spec_bytes"):
         translate.screen(SamplingParams(structured=StructuredOutput(json_schema=wide)), limits)
+
+
+def test_structured_outputs_without_a_kind_sets_options_for_response_format():
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    structured = params(
+        response_format=rf,
+        structured_outputs={"backend": "llguidance", "disable_any_whitespace": True},
+    ).structured
+    assert structured.json_schema == SCHEMA and structured.backend == "llguidance"
+    assert structured.compact and structured.bound_numbers  # set options only; defaults kept
+    with pytest.raises(BadRequest, match="exactly one of") as err:
+        params(structured_outputs={"backend": "llguidance"})  # nothing to apply them to
+    assert err.value.param == "structured_outputs"
+    with pytest.raises(BadRequest, match="exactly one of"):
+        params(structured_outputs={"regex": "a", "choice": ["b"]})
