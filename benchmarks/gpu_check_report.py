@@ -94,14 +94,7 @@ def tier_lines(r: dict[str, Any]) -> list[tuple[str, str]]:
         if not _ok(row):
             out.append((f"4 kv tier {ctx}", _why(row)))
             continue
-        parts = [f"resident {row['resident_step_ms']:.1f} ms"]
-        for key in ("hot_1x", "hot_0x"):
-            h = row[key]
-            parts.append(
-                f"{key}: {h['step_ratio']:.2f}x, {h['mib_per_step']:.1f} MiB/step, "
-                f"{h['gb_per_s_over_step']:.1f} GB/s, same tokens {h['same_tokens']}"
-            )
-        out.append((f"4 kv tier {ctx}", "; ".join(parts)))
+        out.append((f"4 kv tier {ctx}", tier_line(row)))
     return out
 
 
@@ -161,3 +154,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def tier_line(row: dict[str, Any]) -> str:
+    """One context of step 4: resident step time, then each hot-set size against it."""
+    parts = [f"resident {row['resident_step_ms']:.1f} ms"]
+    for key in ("hot_1x", "hot_0x"):
+        h = row[key]
+        parts.append(
+            f"{key}: {h['step_ratio']:.2f}x, {h['mib_per_step']:.1f} MiB/step, "
+            f"{h['gb_per_s_over_step']:.1f} GB/s, same tokens {h['same_tokens']}"
+        )
+    return "; ".join(parts)

@@ -30,6 +30,7 @@ from benchmarks.gpu_check_models import (
     pool_bytes,
     random_llama,
 )
+from benchmarks.gpu_check_report import tier_line
 from benchmarks.kv_tier import Decode, interleaved
 from benchmarks.structured import run_engine as timed_generate
 from benchmarks.structured import valid_count
@@ -350,17 +351,6 @@ def kv_tier(
                 "recall_p50_ms": r["recall_p50_ms"],
             }
         out["contexts"][str(ctx)] = row
-        print(f"  context {ctx}: {_tier_line(row)}", flush=True)
+        print(f"  context {ctx}: {tier_line(row)}", flush=True)
     drop(resident, *tiered)
     return out
-
-
-def _tier_line(row: dict[str, Any]) -> str:
-    parts = [f"resident {row['resident_step_ms']:.1f} ms"]
-    for key in ("hot_0x", "hot_1x"):
-        r = row[key]
-        parts.append(
-            f"{key} {r['step_ratio']:.2f}x, {r['mib_per_step']:.2f} MiB/step, "
-            f"{r['gb_per_s_over_step']:.2f} GB/s, same tokens {r['same_tokens']}"
-        )
-    return "; ".join(parts)

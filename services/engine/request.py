@@ -8,6 +8,7 @@ one decode token, or a recomputation after preemption) and samples once the last
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,12 +39,18 @@ class StructuredRequest:
     request's state, and what the decode-time guards count."""
 
     spec: StructuredOutput
-    key: str  # `spec_key(spec)`, made once: the grammar's canonical name (hashed in logs)
     future: Future[CompiledGrammar] | None = None
     compiled: CompiledGrammar | None = None
     state: GrammarState | None = None
     whitespace_run: int = 0  # whitespace-only tokens at the end of the output
     mask_over_budget_s: float = 0.0  # spent in masks slower than the budget
+
+    @functools.cached_property
+    def key(self) -> str:
+        """`spec_key(spec)`, made when first asked for (a log line names the grammar by it)."""
+        from services.engine.grammar.provider import spec_key
+
+        return spec_key(self.spec)
 
 
 @dataclass(eq=False)

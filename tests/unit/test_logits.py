@@ -74,7 +74,7 @@ def test_batched_equals_one_row_at_a_time(i):
 
 def test_min_tokens_leaves_a_constrained_request_to_its_grammar():
     r = req([4], [], min_tokens=3)
-    r.structured = StructuredRequest(StructuredOutput(choice=["a"]), "k", state=object())  # type: ignore[arg-type]
+    r.structured = StructuredRequest(StructuredOutput(choice=["a"]), state=object())  # type: ignore[arg-type]
     logits = torch.zeros(1, V)
     processors.apply(logits, [r])
     assert torch.isfinite(logits).all()

@@ -25,7 +25,7 @@ from services.engine.grammar.backend import GrammarError
 from services.engine.grammar.backends import Backends
 from services.engine.grammar.finish import MAX_UNIT, repeated_unit
 from services.engine.grammar.masks import MaskFiller, PendingMasks
-from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider, spec_key
+from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider
 from services.engine.grammar.validation import OutputValidator
 from services.engine.params import FinishReason
 from services.engine.request import Request, StructuredRequest
@@ -145,7 +145,7 @@ class GrammarManager:
         """Starts compiling the request's grammar; the request waits in the queue meanwhile."""
         spec = req.params.structured
         assert spec is not None
-        req.structured = StructuredRequest(spec, spec_key(spec))
+        req.structured = StructuredRequest(spec)
         req.structured.future = self.provider.submit(spec, req.tenant)
         self._pending.append(req)
 
