@@ -67,8 +67,9 @@ def check_victims(engine: LLMEngine, alone: dict, hostile: tuple[str, object, Sa
         engine,
         [("victim", VICTIM, VICTIM_PARAMS), hostile, ("victim-json", alone["chat"], VICTIM_JSON)],
     )
-    assert outs["victim"].token_ids == alone["plain"]
-    assert outs["victim-json"].token_ids == alone["json"]
+    for name, key in (("victim", "plain"), ("victim-json", "json")):
+        out = outs[name]  # why it differs, if it does: a CI log is all there is
+        assert out.token_ids == alone[key], (name, out.finish_reason, out.warnings)
     assert outs["victim-json"].validated is True
     after = run(engine, [("next", VICTIM, VICTIM_PARAMS)])["next"]  # the engine still serves
     assert after.token_ids == alone["plain"] and after.finish_reason == "length"

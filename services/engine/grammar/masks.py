@@ -8,7 +8,11 @@ they give the same tokens.
 
 Each row is filled and timed on its own: a row whose grammar raises is reported in
 `Masks.failed` (its request fails alone, its row is not applied), and each row's time goes to
-the mask budget (`GrammarManager`).
+the mask budget (`GrammarManager`). That time is the fill thread's CPU time, not the wall clock:
+both grammar backends fill a mask on the calling thread, so the CPU time is the grammar's own
+cost, while the wall clock also counts waiting for a core or the GIL (the forward's threads, a
+grammar being probed in this process, a busy host) and would fail a cheap grammar for the load
+around it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from services.engine.request import Request
 @dataclass
 class Masks:
     need: list[int]  # rows whose mask restricts something (rows allowing every token skip it)
-    seconds: dict[int, float]  # row -> its fill time
+    seconds: dict[int, float]  # row -> its fill's CPU time
     failed: dict[int, Exception]  # row -> what its grammar raised
 
 
@@ -68,7 +72,7 @@ class MaskFiller:
         start = time.perf_counter()
         for i, req in rows:
             state = req.grammar
-            row_start = time.perf_counter()
+            row_start = time.thread_time()
             try:
                 if self.check is not None:
                     self.check(req)
@@ -77,7 +81,7 @@ class MaskFiller:
                     out.need.append(i)
             except Exception as exc:  # this row's grammar: its request fails, not the batch
                 out.failed[i] = exc
-            out.seconds[i] = time.perf_counter() - row_start
+            out.seconds[i] = time.thread_time() - row_start
         seconds = time.perf_counter() - start
         self.fill_seconds.append(seconds)
         if self.on_fill is not None:
