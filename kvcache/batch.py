@@ -149,6 +149,7 @@ def _short_queries(
             plan.quest_pages,
             plan.dense_layers,
             _hot_sets(seqs) if plan.tier is not None else None,
+            plan.quest_union,
         )
     if plan is not None and plan.collect is not None:
         ends = starts + nq
@@ -228,7 +229,16 @@ def _plan_key(s: SeqSlice) -> tuple[object, ...]:
     p = s.plan
     if p is None or (p.quest_pages is None and p.collect is None):
         return ("dense",)
-    return (p.quest_pages, p.dense_layers, p.collect, p.observe, p.kernel_size, p.tier is not None)
+    tiered = p.tier is not None
+    return (
+        p.quest_pages,
+        p.dense_layers,
+        p.collect,
+        p.observe,
+        p.kernel_size,
+        tiered,
+        p.quest_union,
+    )
 
 
 def _bounds_update(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> BoundsUpdate | None:

@@ -115,7 +115,7 @@ class KVLayout:
 
 
 class HostPages(Protocol):
-    """A host tier the attention function reads parked pages from (`services.kv_tier`)."""
+    """A host tier the attention function reads parked pages from (`kvcache.host_tier`)."""
 
     capacity_pages: int
 

@@ -1,7 +1,8 @@
 """KV policies: which cached keys and values each request's attention reads, and which it keeps.
 
-A request's `KVPolicy` (see `services.engine.params`) picks one small class here. Each class speaks
-through three hooks, none of which the engine loop or the attention function knows by name:
+A request's `KVPolicy` (`kvcache.policy_spec`) picks one small class here by its `kind`; the
+registry `POLICIES` is the list of legal kinds everywhere. Each class speaks through three hooks,
+none of which the engine loop or the attention function knows by name:
 - `plan(...)`, before attention: how this step's rows read the cache (`ReadPlan`: every page, the
   pages Quest's bounds select, or explicitly, collecting the attention weights a policy scores by);
 - the attention function fills, after attention, the per-slot scores a plan asks for (H2O
@@ -29,7 +30,7 @@ from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache, pages_needed
 
 if TYPE_CHECKING:
-    from services.engine.params import KVPolicy
+    from kvcache.policy_spec import KVPolicy
 
 Collect = Literal["accumulate", "observe"]
 # rotate(keys [..., n, D], delta [n]): keys moved by `delta` positions (RoPE rotations compose)
@@ -48,6 +49,7 @@ class ReadPlan:
     observe: int = 0  # "observe": only the last `observe` queries vote (pooled, overwritten)
     kernel_size: int = 1
     tier: HotSet | None = None  # offloaded: its page table names parked pages (host tier)
+    quest_union: bool = False  # each query head ranks the pages (KVPolicy.quest_heads)
 
 
 @dataclass
@@ -238,6 +240,7 @@ class Quest(Policy):
             dense_layers=policy.dense_layers,
             bounds=self.keeps_bounds,
             tier=state.tier,
+            quest_union=policy.quest_heads == "union",
         )
 
     def chunk_limit(
@@ -255,6 +258,7 @@ class Quest(Policy):
         return limit
 
 
+# The registry: every legal `KVPolicy.kind` (engine, HTTP body, the tests' table) comes from here.
 POLICIES: dict[str, Policy] = {
     p.kind: p for p in (Policy(), Window(), Sinks(), H2O(), SnapKV(), Quest())
 }

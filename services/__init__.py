@@ -1,4 +1,4 @@
-"""structserve's long-running logic: the engine, the grammar compiler, the KV tier."""
+"""structserve's long-running logic: the engine and the grammar compiler."""
 
 from services.engine import (
     LLM,

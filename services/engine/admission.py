@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.engine import tool_format
 from services.engine.params import KVPolicy
 from services.engine.request import Request
+
+if TYPE_CHECKING:
+    from services.engine.config import EngineConfig
+    from services.engine.model_runner import ModelRunner
 
 Prompt = str | Sequence[int]
 # Streams under a re-rotating policy have no context limit of their own: this caps them
@@ -37,6 +41,30 @@ class Limits:
     pool_pages: int
     can_rerotate: bool
     attention_variant: str | None = None  # what the model's attention adds (windows, soft-caps)
+
+    @classmethod
+    def of(
+        cls,
+        config: EngineConfig,
+        runner: ModelRunner,
+        model_len: int,
+        max_model_len: int,
+        tier_pages: int | None,
+    ) -> Limits:
+        pool_pages = runner.kv.num_pages
+        return cls(
+            page_size=config.page_size,
+            pool_tokens=pool_pages * config.page_size,
+            model_len=model_len,
+            max_model_len=max_model_len,
+            configured_len=config.max_model_len,
+            vocab_size=runner.vocab_size,
+            max_prompt_chars=config.max_prompt_chars or CHARS_PER_TOKEN * max_model_len,
+            tier_pages=tier_pages,
+            pool_pages=pool_pages,
+            can_rerotate=runner.rotate is not None,
+            attention_variant=runner.attention.describe(),
+        )
 
 
 def check_chars(chars: int, field: str, max_chars: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,6 +67,10 @@ class EngineConfig:
     # first use) instead of gathering them into a workspace for SDPA. CPU and float32 only for
     # now; False, or a machine without a C compiler: the plain twin (gather, then SDPA).
     inplace_attention: bool = True
+    # Speculative decoding (services/engine/speculative.py), vLLM's keys: {"method": "ngram",
+    # "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}. None: the
+    # plain twin, one token per request per forward pass.
+    speculative: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -91,6 +96,9 @@ class EngineConfig:
                 "grammar_redis_url: verdicts in Redis are signed; set STRUCTSERVE_VERDICT_SECRET "
                 "(the same in every process sharing that Redis)"
             )
+        from services.engine.speculative import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative)  # a bad key or value fails at start-up
         for tenant, weight in (self.tenant_weights or {}).items():
             if not weight > 0:
                 raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")

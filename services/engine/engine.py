@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvcache.host_tier import HostPageStore
 from kvcache.policies import new_state
 from services.engine import admission, isolation
 from services.engine import logits as logits_processors
@@ -34,7 +35,7 @@ from services.engine.prefix_cache import PrefixCache
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampled, Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.kv_tier import HostPageStore
+from services.engine.speculative import SampleRows, SpeculativeConfig, Speculator
 from services.models import LoadedModel, eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class LLMEngine:
         self.model_len = model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len, pool_tokens)
         self.eos_token_ids = self._eos_token_ids()
+        spec = SpeculativeConfig.parse(config.speculative)
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.grammars = GrammarManager(
             self.tokenizer,
             self.runner.vocab_size,
@@ -91,19 +94,9 @@ class LLMEngine:
             self.offload = OffloadManager(kv, self.kv_tier, self.scheduler)
             self.scheduler.on_release = self.offload.release
             self.scheduler.reclaim = self.offload.reclaim
-        self.limits = admission.Limits(
-            page_size=config.page_size,
-            pool_tokens=pool_tokens,
-            model_len=model_len,
-            max_model_len=self.max_model_len,
-            configured_len=config.max_model_len,
-            vocab_size=self.runner.vocab_size,
-            max_prompt_chars=config.max_prompt_chars
-            or admission.CHARS_PER_TOKEN * self.max_model_len,
-            tier_pages=self.kv_tier.capacity_pages if self.kv_tier is not None else None,
-            pool_pages=self.runner.kv.num_pages,
-            can_rerotate=self.runner.rotate is not None,
-            attention_variant=self.runner.attention.describe(),
+        tier_pages = self.kv_tier.capacity_pages if self.kv_tier is not None else None
+        self.limits = admission.Limits.of(
+            config, self.runner, model_len, self.max_model_len, tier_pages
         )
 
     def _eos_token_ids(self) -> frozenset[int]:
@@ -201,26 +194,30 @@ class LLMEngine:
 
     def _step(self) -> list[Request]:
         failed = self._resolve_grammars()
+        if self.speculator is not None:  # drafts for the requests about to decode
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.chunks:
             self.grammars.wait(0.01, self.validating)
             return failed + self._validated()
         self._mark_scheduled(sched)
-        sampling = [c.request for c in sched.chunks if c.samples]
+        rows = SampleRows.of(sched.chunks)
+        sampling = rows.plain  # drafted requests are verified on their own, after
         masks = self.grammars.start_masks(sampling)  # filled on a worker while the forward runs
-        logits = isolation.forward(
-            self.runner, self.boundary, sched.chunks, sampling, self.check_fault
-        )
+        every = isolation.forward(self.runner, self.boundary, sched.chunks, rows, self.check_fault)
+        logits = rows.plain_logits(every)
         logits_processors.apply(logits, sampling)  # penalties, bias, min_tokens: before the mask
-        self._fail_each(self.grammars.apply_masks(masks, logits))
+        self.fail_each(self.grammars.apply_masks(masks, logits))
         tokens = isolation.sample(self.sampler, logits, sampling)
         updated = self._update(sched, sampling, tokens)
+        if self.speculator is not None and rows.drafted:
+            updated += self.speculator.verify(rows, every, self)
         self._apply_kv_policies(sched)
         return failed + updated + self._validated()
 
     def _resolve_grammars(self) -> list[Request]:
         failures = self.grammars.resolve()
-        self._fail_each(failures)
+        self.fail_each(failures)
         return [f.request for f in failures]
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
@@ -245,10 +242,10 @@ class LLMEngine:
                 stage("sample")
                 if i in sampled.failed:
                     raise RequestError(sampled.failed[i])
-                self._advance(req, token, stage, sampled.logprobs.get(i))
+                self.advance(req, token, stage, sampled.logprobs.get(i))
         return sampling
 
-    def _advance(
+    def advance(
         self,
         req: Request,
         token: int,
@@ -321,7 +318,7 @@ class LLMEngine:
         req.error_status = status
         self._finish(req, "error")
 
-    def _fail_each(self, failures: list[Failure]) -> None:
+    def fail_each(self, failures: list[Failure]) -> None:
         for f in failures:
             self._fail(f.request, f.reason, f.status)
 

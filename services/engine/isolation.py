@@ -20,6 +20,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.request import Request
 from services.engine.sampler import Sampled, Sampler
 from services.engine.scheduler import ScheduledChunk
+from services.engine.speculative import SampleRows
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,11 @@ def forward(
     runner: ModelRunner,
     boundary: Boundary,
     chunks: list[ScheduledChunk],
-    sampling: list[Request],
+    rows: SampleRows,
     check: Callable[[str, Request], None],
 ) -> torch.Tensor:
-    """Logits of the sampling rows; the row of a request that failed alone is NaN (it is
-    finished: nothing reads it)."""
+    """Logits of the sampling rows; the rows of a request that failed alone are NaN (it is
+    finished: nothing reads them)."""
     try:
         for c in chunks:
             check("forward", c.request)
@@ -41,15 +42,16 @@ def forward(
         if is_engine_fault(exc):
             raise
         log.warning("batched forward failed (%r); its %d requests run alone", exc, len(chunks))
-    rows: dict[int, torch.Tensor] = {}
+    alone: dict[int, torch.Tensor] = {}
     for c in chunks:
         with boundary.request(c.request) as stage:
             stage("forward")
             out = runner.forward([c])
             if c.samples:
-                rows[id(c.request)] = out[0]
-    nan = torch.full((runner.vocab_size,), float("nan"), device=runner.device)
-    return torch.stack([rows.get(id(r), nan) for r in sampling]) if sampling else nan[None, :0]
+                alone[id(c.request)] = out
+    nan = torch.full((1, runner.vocab_size), float("nan"), device=runner.device)
+    parts = [alone.get(id(r), nan.expand(rows.counts[id(r)], -1)) for r in rows.order]
+    return torch.cat(parts) if parts else nan[:, :0]
 
 
 def sample(sampler: Sampler, logits: torch.Tensor, sampling: list[Request]) -> Sampled:

@@ -2,8 +2,9 @@
 
 A `quest` request with `offload=True` keeps in its page table, on the device, its first page (the
 attention sinks) and its last `RECENT_PAGES` pages (being written). Every other full page is parked
-in the host store (`services.kv_tier`) and its page-table entry becomes `num_pages + host slot`; the
-page's Quest bounds are copied to that id, so selection still runs on the device over every page.
+in the host store (`kvcache.host_tier`) and its page-table entry becomes `num_pages + host slot`;
+the page's Quest bounds are copied to that id, so selection still runs on the device over every
+page.
 
 Parked pages a step selects are read per layer: from the request's hot set when that layer and KV
 head selected them recently (`kvcache.hot_set`: `hot_pages` pool pages whose cells hold, per layer
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from kvcache.host_slots import HostTierFull, Owner
+from kvcache.host_tier import HostPageStore
 from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache, pages_needed
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
-from services.kv_tier import HostPageStore, HostTierFull, Owner
 
 RECENT_PAGES = 2  # the page being written and the one before stay resident
 
@@ -59,7 +61,8 @@ class OffloadManager:
         state = req.kv_state
         if state is None or state.tier is None:
             return
-        self.store.fence()  # a copy still writing into pages about to be reused
+        # No fence: host reads land in fresh tensors and the hot set is filled from them on the
+        # compute stream, so no side-stream copy can still be writing into the pages freed here.
         self.store.release(owner(req))
         self.scheduler.allocator.free(state.tier.shrink(state.tier.ways))
         state.tier = self._empty_hot_set()

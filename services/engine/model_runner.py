@@ -105,7 +105,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits `[S, vocab]` for the chunks that sample, in their order.
+        """Logits `[S, vocab]` for the chunks that sample, in their order (1 + len(draft)
+        rows for a drafted chunk).
 
         Chunks of requests asking for prompt log-probabilities get them recorded on the request.
         """
@@ -117,8 +118,9 @@ class ModelRunner:
         for c in chunks:
             offset = len(token_ids)
             token_ids.extend(c.request.token_ids[c.start : c.start + c.num_tokens])
+            token_ids.extend(c.draft)  # speculative: every drafted position samples too
             if c.samples:
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - 1 - len(c.draft), len(token_ids)))
             req = c.request
             if req.params.prompt_logprobs:
                 last = min(c.start + c.num_tokens, req.num_prompt_tokens - 1)
@@ -175,7 +177,7 @@ def _record_prompt_logprobs(logits: torch.Tensor, scored: list[tuple[Request, li
 def _seq_slice(c: ScheduledChunk) -> SeqSlice:
     req, state = c.request, c.request.kv_state
     if state is None:
-        return SeqSlice(req.pages, c.start, c.num_tokens)
+        return SeqSlice(req.pages, c.start, c.num_positions)
     plan = state.impl.plan(state, c.start, c.num_tokens, req.num_prompt_tokens)
     return SeqSlice(req.pages, c.start - state.evicted, c.num_tokens, state.position(c.start), plan)
 

@@ -81,6 +81,8 @@ class Request:
     validated: bool | None = None  # JSON outputs: did the text validate against the schema
     validation: PendingValidation | None = None  # finished, its output still being validated
     error_status: int | None = None  # finish_reason "error": the HTTP status it maps to
+    # speculative decoding (services/engine/speculative.py): this step's proposed tokens
+    draft: list[int] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     logprobs: list[TokenLogprob] | None = None  # SamplingParams.logprobs: one per output token
     _emitted_tokens: int = 0

@@ -106,6 +106,23 @@ class Sampler:
                 failed[i] = "sampling: the logits are not finite or no token is left to sample"
         return Sampled(tokens, failed, logprobs(tokens) if logprobs is not None else {})
 
+    def verify(self, logits: torch.Tensor, req: Request, draft: int | None) -> Sampled:
+        """One position of a speculative walk (`speculative.py`): `logits` [1, V] for `req`.
+        Greedy, or no draft token here: what `__call__` draws. Sampling against a draft token:
+        `accept_or_resample`, which leaves the output distribution as it was."""
+        if draft is None or req.params.greedy:
+            return self(logits, [req])
+        logits = logits.float()
+        if not bool(usable_rows(logits)[0]):
+            return Sampled([0], {0: "sampling: the logits are not finite or no token is left"})
+        probs, drawable = _probabilities(logits, [req])
+        if not bool(drawable[0]):
+            return Sampled([0], {0: "sampling: no token is left to sample"})
+        token = accept_or_resample(probs[0], draft, req.generator or self.generator)
+        chosen = torch.tensor([token], device=logits.device)
+        read = _logprobs(logits, [req], chosen)
+        return Sampled([token], {}, read([token]) if read is not None else {})
+
     def _sample_rows(
         self,
         logits: torch.Tensor,
@@ -115,20 +132,8 @@ class Sampler:
         ok: torch.Tensor,
         failed: dict[int, str],
     ) -> None:
-        params = [requests[i].params for i in rows]
-        dev = logits.device
-        temp = torch.tensor([p.temperature for p in params], device=dev)
-        scaled = logits[rows] / temp[:, None]
-        # vLLM's order: min-p on the tempered distribution, then top-k and top-p
-        if any(p.min_p > 0 for p in params):
-            scaled = _min_p(scaled, torch.tensor([p.min_p for p in params], device=dev))
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=dev)
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
-            scaled = _top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
+        probs, drawable = _probabilities(logits[rows], [requests[i] for i in rows])
         # belt and braces: a row the cuts left unsamplable fails alone, never the whole draw
-        drawable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
         probs = torch.where(drawable[:, None], probs, torch.ones_like(probs))
         ok[rows] &= drawable
         shared = [j for j, i in enumerate(rows) if requests[i].generator is None]
@@ -143,3 +148,38 @@ class Sampler:
                 out[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
             except RuntimeError as exc:  # this request's generator (e.g. on another device)
                 failed[i] = f"sampling: {exc}"[:300]
+
+
+def _probabilities(
+    logits: torch.Tensor, requests: list[Request]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, V] probabilities after temperature, min-p, top-k and top-p, and [S] whether each
+    row can be drawn from."""
+    params = [r.params for r in requests]
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    scaled = logits / temp[:, None]
+    # vLLM's order: min-p on the tempered distribution, then top-k and top-p
+    if any(p.min_p > 0 for p in params):
+        scaled = _min_p(scaled, torch.tensor([p.min_p for p in params], device=dev))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        scaled = _top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    return probs, torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+
+
+def accept_or_resample(probs: torch.Tensor, draft: int, generator: torch.Generator) -> int:
+    """Speculative sampling against a draft that proposed one token with certainty (prompt
+    lookup): keep `draft` with probability p(draft), else draw from p without it, renormalized.
+    Every token x then comes out with probability p(x): p(draft) directly, and any other x with
+    (1 - p(draft)) * p(x) / (1 - p(draft)). `probs` [V]."""
+    p_draft = probs[draft]
+    if torch.rand((), generator=generator, device=probs.device) < p_draft:
+        return draft
+    rest = probs.clone()
+    rest[draft] = 0.0
+    if not bool(rest.sum() > 0):  # p(draft) == 1 up to rounding: nothing else to draw
+        return draft
+    return int(torch.multinomial(rest, 1, generator=generator)[0])

@@ -52,11 +52,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens `[start, start + num_tokens)` of `request`, computed this step."""
+    """Tokens `[start, start + num_tokens)` of `request`, computed this step, then the `draft`
+    tokens after them (speculative decoding: verified once their logits are in)."""
 
     request: Request
     start: int
     num_tokens: int
+    draft: tuple[int, ...] = ()
+
+    @property
+    def num_positions(self) -> int:
+        return self.num_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:
@@ -126,8 +132,9 @@ class Scheduler:
             short = self._schedule_running(out, self.config.max_num_batched_tokens)
             if short is not None:  # no pages were short: there may be room for more
                 self._admit_waiting(out, short)
+                self._add_drafts(out)
         for c in out.chunks:
-            self.shares.charge(c.request.tenant, c.num_tokens)
+            self.shares.charge(c.request.tenant, c.num_positions)
         return out
 
     # -- fair shares ---------------------------------------------------------------------
@@ -286,6 +293,25 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
+
+    def _add_drafts(self, out: SchedulerOutput) -> None:
+        """Decode chunks take their request's draft (speculative decoding) in what is left of
+        the step's token budget and of the free pages once everyone else is scheduled: nobody
+        waits, is preempted, or loses a cached page for a guess."""
+        budget = self.config.max_num_batched_tokens - sum(c.num_tokens for c in out.chunks)
+        for i, c in enumerate(out.chunks):
+            req = c.request
+            room = min(len(req.draft), budget)
+            if room < 1 or c.num_tokens != 1 or not c.samples or req.kv_state is not None:
+                continue
+            end = req.num_cached_tokens + 1 + room
+            missing = pages_needed(end, self.config.page_size) - len(req.pages)
+            if missing > 0:
+                if not self.allocator.can_allocate(missing):
+                    continue
+                req.pages.extend(self.allocator.allocate(missing))
+            out.chunks[i] = ScheduledChunk(req, c.start, 1, tuple(req.draft[:room]))
+            budget -= room
 
     def _chunk_limit(self, req: Request) -> int:
         """A bounded KV policy takes its prompt in chunks its budget can hold."""

@@ -7,7 +7,8 @@ histograms and the queue / prefill / decode spans. The engine itself knows nothi
 
 The KV host tier is read as `engine.kv_tier` (or `engine.runner.kv_tier`) with
 cumulative counters `pages_parked`, `pages_recalled`, `bytes_to_host`, `bytes_to_device`, `hits`,
-`misses`, the gauge `host_bytes_in_use` and `recall_latency_ms(q)`; without a tier they report 0.
+`misses` and the gauge `host_bytes_in_use`; without a tier they report 0. Its `on_read` hook records
+each host read's latency into a histogram as it happens, as `on_mask_fill` does for masks.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ class EngineStats:
             ("structserve.kv.pages_capacity", self._pages_capacity),
             ("structserve.jump_forward.tokens", self._jump_tokens),
             ("structserve.forward_passes_saved", self._passes_saved),
+            ("structserve.speculative.draft_tokens", self._draft_tokens),
             ("structserve.kv.pages_parked", self._tier("pages_parked")),
             ("structserve.kv.pages_recalled", self._tier("pages_recalled")),
             ("structserve.kv.tier_transfer", self._tier_bytes),
             ("structserve.kv.tier_selections", self._tier_selections),
             ("structserve.kv.host_bytes_in_use", self._tier("host_bytes_in_use")),
-            ("structserve.kv.recall_latency", self._recall_latency),
             ("structserve.prefix_cache.queries", self._prefix_tokens("queried")),
             ("structserve.prefix_cache.hits", self._prefix_tokens("hit")),
             ("structserve.prefix_cache.evictions", self._prefix_evictions),
@@ -60,6 +61,8 @@ class EngineStats:
             fam.observe(name, source)
         if self.tel.enabled:
             engine.grammars.on_mask_fill = fam.mask_fill.record
+            if (tier := kv_tier(engine)) is not None:
+                tier.on_read = fam.kv_host_read.record
 
     # -- observable sources (called on the collecting thread: reads only) --------------------
 
@@ -79,7 +82,17 @@ class EngineStats:
         return [(getattr(self.engine.grammars, "jump_forward_tokens", 0), {})]
 
     def _passes_saved(self) -> Obs:
-        return [(getattr(self.engine.grammars, "forward_passes_saved", 0), {})]
+        spec = getattr(self.engine, "speculator", None)
+        return [
+            (getattr(self.engine.grammars, "forward_passes_saved", 0), {"source": "jump_forward"}),
+            (spec.passes_saved if spec is not None else 0, {"source": "speculative"}),
+        ]
+
+    def _draft_tokens(self) -> Obs:
+        spec = getattr(self.engine, "speculator", None)
+        if spec is None:
+            return []
+        return [(spec.proposed, {"result": "proposed"}), (spec.accepted, {"result": "accepted"})]
 
     def _tier(self, field: str) -> Any:
         def source() -> Obs:
@@ -122,17 +135,6 @@ class EngineStats:
         evictable = alloc.num_evictable
         in_use = alloc.num_cached - evictable
         return [(in_use, {"state": "in_use"}), (evictable, {"state": "evictable"})]
-
-    def _recall_latency(self) -> Obs:
-        tier = kv_tier(self.engine)
-        if tier is None:
-            return []
-        out = []
-        for q in (50, 99):
-            value = tier.recall_latency_ms(q)
-            if value is not None:
-                out.append((value / 1000, {"quantile": f"p{q}"}))
-        return out
 
     # -- per request -------------------------------------------------------------------------
 
@@ -193,3 +195,5 @@ class EngineStats:
             self.tel.metrics.forget(source)
         if getattr(self.engine.grammars, "on_mask_fill", None) is not None:
             self.engine.grammars.on_mask_fill = None
+        if (tier := kv_tier(self.engine)) is not None:
+            tier.on_read = None

@@ -23,6 +23,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MASK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
+# A host-tier read is one layer's parked cells: tens of microseconds to milliseconds.
+HOST_READ_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25)
 
 # Where a grammar lookup was answered (metric label and span attribute): the replica's compiled
 # LRU, the grammar service's recent verdicts, Redis, a worker compile, or the static limits
@@ -69,6 +71,13 @@ class Families:
             description="Time to fill the grammar bitmasks of one engine step.",
             explicit_bucket_boundaries_advisory=MASK_BUCKETS,
         )
+        self.kv_host_read = m.create_histogram(
+            "structserve.kv.host_read_latency",
+            unit="s",
+            description="Time to read one layer's parked KV cells back from the host tier (host "
+            "time: the gather and, on CUDA, issuing the copy that overlaps compute).",
+            explicit_bucket_boundaries_advisory=HOST_READ_BUCKETS,
+        )
         self._gauge(m, "structserve.queue_depth", "{request}", "Requests waiting to be scheduled.")
         self._gauge(m, "structserve.running_requests", "{request}", "The running batch size.")
         self._gauge(m, "structserve.kv.pages_in_use", "{page}", "KV cache pages held.")
@@ -83,13 +92,25 @@ class Families:
             m,
             "structserve.forward_passes_saved",
             "{pass}",
-            "Decode steps not run because jump-forward appended a forced span.",
+            "Decode steps not run: jump-forward appended a forced span (source=jump_forward), or "
+            "a speculative draft token was accepted (source=speculative).",
+        )
+        self._counter(
+            m,
+            "structserve.speculative.draft_tokens",
+            "{token}",
+            "Speculative draft tokens verified (result=proposed) and kept (result=accepted); "
+            "accepted / proposed is the acceptance rate.",
         )
         self._counter(
             m, "structserve.kv.pages_parked", "{page}", "KV pages moved to the host tier."
         )
         self._counter(
-            m, "structserve.kv.pages_recalled", "{page}", "KV pages recalled from the host tier."
+            m,
+            "structserve.kv.pages_recalled",
+            "{page}",
+            "KV pages read back from the host tier (full-page equivalents: a read is per layer "
+            "and KV head).",
         )
         self._counter(
             m,
@@ -129,12 +150,6 @@ class Families:
             "structserve.prefix_cache.pages",
             "{page}",
             "Pages the prefix cache holds, by state: in_use (mapped by a request) or evictable.",
-        )
-        self._gauge(
-            m,
-            "structserve.kv.recall_latency",
-            "s",
-            "Recent host-tier recall latency per replica, by quantile (p50, p99).",
         )
         # -- grammars (grammar service and replicas)
         self.grammar_compile = m.create_histogram(

@@ -102,7 +102,7 @@ def test_device_pages_stay_within_sinks_recent_and_hot_set(tiered):
     assert most <= 1 + RECENT_PAGES + hot + 1
     tier = engine.kv_tier
     assert tier.hit_rate is not None and tier.pages_recalled > 0
-    assert tier.recall_latency_ms(50) is not None
+    assert tier.read_latency_ms(50) is not None
     assert empty(tiered)
 
 

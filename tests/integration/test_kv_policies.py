@@ -27,6 +27,7 @@ POLICIES = {
     "h2o": KVPolicy(kind="h2o", budget_tokens=48),
     "snapkv": KVPolicy(kind="snapkv", budget_tokens=48),
     "quest": KVPolicy(kind="quest", budget_tokens=48, dense_layers=2),
+    "quest_union": KVPolicy(kind="quest", budget_tokens=48, quest_heads="union"),
 }
 
 
@@ -59,7 +60,7 @@ def test_a_batch_mixing_policies_equals_each_run_alone(llm):
     assert len({tuple(o.token_ids) for o in together}) > 1
 
 
-@pytest.mark.parametrize("name", ["window", "sinks", "sinks_rerotate", "h2o", "snapkv"])
+@pytest.mark.parametrize("name", [n for n, p in POLICIES.items() if p.bounded])
 def test_bounded_policies_hold_at_most_budget_plus_one_page(llm, name):
     engine: LLMEngine = llm.engine
     policy = POLICIES[name]

@@ -248,6 +248,29 @@ def test_real_world_schemas_decode_to_valid_json(llm):
             assert out.validated is False  # reported, not hidden
 
 
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("jump_forward", [False, True], ids=["speculative", "with-jump-forward"])
+def test_speculation_gives_the_plain_tokens_for_every_kind(
+    loaded_model, backend, mixed_batch, jump_forward
+):
+    """Drafts verified against each grammar kind's mask give greedy decoding's tokens (with
+    jump-forward: the tokens jump-forward gives alone)."""
+    prompts, sps, outs = mixed_batch
+    args = engine_args(backend) | {"jump_forward": jump_forward}
+    if jump_forward:
+        plain = LLM(loaded=loaded_model, **args)
+        outs = plain.generate(prompts, sps)
+        plain.engine.grammars.shutdown()
+    spec = LLM(loaded=loaded_model, speculative=SPECULATIVE, **args)
+    drafted = spec.generate(prompts, sps)
+    spec.engine.grammars.shutdown()
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in outs]
+    assert sum(o.metrics.num_draft_tokens for o in drafted) > 0
+    assert all(o.validated is not False for o in drafted)
+
+
 def test_jump_forward_outputs_validate_and_save_forward_passes(loaded_model, backend, mixed_batch):
     prompts, sps, outs = mixed_batch
     jf = LLM(loaded=loaded_model, jump_forward=True, **engine_args(backend))

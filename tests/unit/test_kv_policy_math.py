@@ -95,6 +95,27 @@ def test_quest_gqa_keeps_a_page_only_one_query_head_wants():
     assert scores[0, 0].argmax().item() == 1
 
 
+def test_quest_union_takes_each_query_heads_first_choice_before_anyones_second():
+    """Head 0 bounds pages 0 and 1 far above everything; head 1's best is page 2. With k = 2,
+    `max` reads pages 0 and 1 (head 1 misses its page), `union` reads 0 (head 0's first) and 2
+    (head 1's first). Padding (page 3, not valid) is never chosen, whatever its bounds."""
+    q = torch.zeros(1, 1, 2, D)
+    q[0, 0, 0, 0] = 1.0
+    q[0, 0, 1, 1] = 1.0
+    lo = torch.zeros(1, 1, 4, D)
+    hi = torch.zeros(1, 1, 4, D)
+    hi[0, 0, 0, 0], hi[0, 0, 1, 0] = 9.0, 8.0  # head 0: pages 0, 1
+    hi[0, 0, 2, 1] = 1.0  # head 1: page 2
+    hi[0, 0, 3, :] = 99.0  # padding
+    valid = torch.tensor([[True, True, True, False]])
+    top2 = {
+        union: set(quest_page_scores(q, lo, hi, valid, union)[0, 0].topk(2).indices.tolist())
+        for union in (False, True)
+    }
+    assert top2 == {False: {0, 1}, True: {0, 2}}
+    assert quest_page_scores(q, lo, hi, valid, True)[0, 0, 3] == float("-inf")
+
+
 def _bounds(kv: PagedKVCache, pages: list[int], keys: torch.Tensor) -> None:
     n = keys.shape[2]
     for layer in range(LAYERS):

@@ -1,4 +1,4 @@
-"""The KV host tier's page store: bit-exact round trips, ownership, caps and counters (CPU)."""
+"""The KV host tier: park + read_cells round trips (bit-exact), slot ownership, caps, counters."""
 
 import pickle
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvcache.host_slots import HostSlotError, HostSlots, HostTierFull
+from kvcache.host_tier import HostPageStore
 from kvcache.pages import KVLayout, PagedKVCache
-from services.kv_tier import HostPageStore, HostSlotError, HostTierFull
 
 CPU = torch.device("cpu")
 A1, A2, B1 = ("a", "r1"), ("a", "r2"), ("b", "r1")  # B1 reuses A1's request id in tenant b
@@ -32,46 +33,41 @@ def page(kv: PagedKVCache, p: int, layer: int | None = None) -> tuple[torch.Tens
     return kv.keys[sel, :, window].clone(), kv.values[sel, :, window].clone()
 
 
+def cells_of(store: HostPageStore, slots: list[int]) -> torch.Tensor:
+    """Every KV head of each slot, head-major: `read_cells` rows `[KVH * n]`."""
+    heads = torch.arange(store.layout.num_kv_heads)[:, None]
+    return (heads * store.capacity_pages + torch.tensor(slots)[None, :]).flatten()
+
+
+def read_pages(store: HostPageStore, slots: list[int], layer: int) -> tuple[torch.Tensor, ...]:
+    """Keys and values of `slots` at `layer` read back through `read_cells`, `[n, KVH, ps, D]`."""
+    lay = store.layout
+    out = store.read_cells(layer, cells_of(store, slots))
+    return tuple(t.view(lay.num_kv_heads, len(slots), *t.shape[1:]).transpose(0, 1) for t in out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_all_layers_into_other_pages_is_bit_exact(dtype):
+def test_park_then_read_every_layer_is_bit_exact(dtype):
     lay = layout(dtype)
     kv, store = pool(lay), HostPageStore(lay, 8, CPU)
-    src, dst = [1, 5, 2, 9], [11, 3, 7, 0]
+    src = [1, 5, 2, 9]
     originals = [page(kv, p) for p in src]
     slots = store.park(kv, src, A1)
     kv.keys.zero_()  # nothing may come back from the device pool itself
     kv.values.zero_()
-    store.recall(kv, slots, dst, A1).wait()
-    for (k, v), p in zip(originals, dst, strict=True):
-        back_k, back_v = page(kv, p)
-        assert torch.equal(back_k, k) and torch.equal(back_v, v)
-    assert not torch.count_nonzero(kv.keys[:, :, 4:8])  # page 1: not a destination
+    for layer in range(lay.num_layers):
+        keys, values = read_pages(store, slots, layer)
+        for i, (k, v) in enumerate(originals):
+            assert torch.equal(keys[i], k[layer]) and torch.equal(values[i], v[layer])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_single_layer_recall_touches_only_that_layer(dtype):
-    lay = layout(dtype)
-    kv, store = pool(lay), HostPageStore(lay, 8, CPU)
-    src, dst = [4, 6], [10, 8]
-    originals = {p: page(kv, p) for p in src}
-    slots = store.park(kv, src, A1)
-    before = {p: page(kv, p) for p in dst}
-    store.recall(kv, slots, dst, A1, layers=range(1, 2))
-    for s, d in zip(src, dst, strict=True):
-        k, v = page(kv, d)
-        assert torch.equal(k[1], originals[s][0][1]) and torch.equal(v[1], originals[s][1][1])
-        for other in (0, 2):
-            assert torch.equal(k[other], before[d][0][other])
-            assert torch.equal(v[other], before[d][1][other])
-
-
-def test_recall_order_follows_the_slot_list():
+def test_read_order_follows_the_cell_list():
     lay = layout()
     kv, store = pool(lay), HostPageStore(lay, 8, CPU)
     slots = store.park(kv, [2, 3], A1)
-    want = page(kv, 3)
-    store.recall(kv, slots[::-1], [5, 6], A1)  # slot of page 3 into page 5
-    assert torch.equal(page(kv, 5)[0], want[0]) and torch.equal(page(kv, 5)[1], want[1])
+    want = page(kv, 3, layer=0)
+    keys, values = read_pages(store, slots[::-1], 0)  # the slot of page 3 first
+    assert torch.equal(keys[0], want[0]) and torch.equal(values[0], want[1])
 
 
 class CountCalls(TorchFunctionMode):
@@ -91,9 +87,9 @@ def test_copies_are_batched_not_per_page():
         kv, store = pool(lay), HostPageStore(lay, 8, CPU)
         with CountCalls() as park_ops:
             slots = store.park(kv, list(range(n)), A1)
-        with CountCalls() as recall_ops:
-            store.recall(kv, slots, list(range(4, 4 + n)), A1)
-        calls.append((park_ops.calls, recall_ops.calls))
+        with CountCalls() as read_ops:
+            store.read_cells(1, cells_of(store, slots))
+        calls.append((park_ops.calls, read_ops.calls))
     assert calls[0] == calls[1]  # the same torch calls for 1 page as for 7
 
 
@@ -104,10 +100,8 @@ def test_double_free_and_foreign_slots_raise():
     theirs = store.park(kv, [3], B1)
     for intruder in (A2, B1):  # same tenant other request; other tenant same request id
         with pytest.raises(HostSlotError, match="held by another owner") as err:
-            store.recall(kv, mine, [5, 6], intruder)
-        assert repr(A1) not in str(err.value)  # the holder is never named
-        with pytest.raises(HostSlotError):
             store.free(intruder, mine[:1])
+        assert repr(A1) not in str(err.value)  # the holder is never named
     with pytest.raises(HostSlotError):
         store.free(A1, [mine[0], theirs[0]])  # all-or-nothing: mine[0] stays held
     assert store.owner_pages(A1) == 2
@@ -117,7 +111,7 @@ def test_double_free_and_foreign_slots_raise():
     with pytest.raises(HostSlotError, match="repeated"):
         store.free(A1, [mine[1], mine[1]])
     with pytest.raises(HostSlotError, match="out of range"):
-        store.recall(kv, [99], [5], A1)
+        store.free(A1, [99])
 
 
 def test_release_returns_everything_and_counts_reach_zero():
@@ -162,8 +156,7 @@ def test_tenant_cap_and_capacity_raise_with_the_numbers():
 
 
 def test_reservation_is_held_for_its_owner():
-    lay = layout()
-    store = HostPageStore(lay, 4, CPU, default_tenant_cap=3)
+    store = HostSlots(4, default_tenant_cap=3)  # the accounting alone: no arena, no tensors
     store.reserve(A1, 3)
     assert not store.can_allocate("a", 1) and not store.can_allocate("b", 2)
     with pytest.raises(HostTierFull, match="tenant cap"):
@@ -177,17 +170,21 @@ def test_reservation_is_held_for_its_owner():
 def test_counters_follow_page_arithmetic():
     lay = layout()
     kv, store = pool(lay), HostPageStore(lay, 8, CPU)
-    assert store.recall_latency_ms(50) is None and store.hit_rate is None
+    assert store.read_latency_ms(50) is None and store.hit_rate is None
+    seen: list[float] = []
+    store.on_read = seen.append
     slots = store.park(kv, [1, 2, 3], A1)
     assert store.pages_parked == 3 and store.bytes_to_host == 3 * lay.bytes_per_page
     assert store.host_bytes_in_use == 3 * lay.bytes_per_page
-    store.recall(kv, slots, [4, 5, 6], A1)
-    for layer in range(lay.num_layers):  # per-layer recalls add up to one full recall
-        store.recall(kv, slots[:2], [7, 8], A1, layers=range(layer, layer + 1))
-    assert store.pages_recalled == 3 + 2
-    assert store.bytes_to_device == 5 * lay.bytes_per_page
-    p50, p99 = store.recall_latency_ms(50), store.recall_latency_ms(99)
+    for layer in range(lay.num_layers):  # every layer and head of 2 pages: 2 whole pages
+        read_pages(store, slots[:2], layer)
+    assert store.pages_recalled == 2 and store.bytes_to_device == 2 * lay.bytes_per_page
+    read_pages(store, slots, 0)  # a third of 3 pages: one more full-page equivalent
+    assert store.cells_recalled == 2 * 3 * 2 + 3 * 2 and store.pages_recalled == 3
+    assert store.bytes_to_device == 3 * lay.bytes_per_page
+    p50, p99 = store.read_latency_ms(50), store.read_latency_ms(99)
     assert p50 is not None and p99 is not None and 0 <= p50 <= p99
+    assert len(seen) == lay.num_layers + 1 and all(s >= 0 for s in seen)  # seconds, one per read
     store.record_hits(6, 2)
     store.record_hits(0, 2)
     assert store.hit_rate == pytest.approx(0.6)
@@ -220,14 +217,7 @@ def test_read_cells_returns_one_head_of_one_layer_of_each_parked_page(dtype):
 def test_bad_arguments_are_refused():
     lay = layout()
     kv, store = pool(lay), HostPageStore(lay, 8, CPU)
-    slots = store.park(kv, [1, 2], A1)
-    with pytest.raises(ValueError, match="host slots for"):
-        store.recall(kv, slots, [3], A1)
-    with pytest.raises(ValueError, match="repeated"):
-        store.recall(kv, slots, [3, 3], A1)
-    for layers in (range(0), range(2, 4), range(2, 0, -1)):
-        with pytest.raises(ValueError, match="layers"):
-            store.recall(kv, slots, [3, 4], A1, layers=layers)
+    store.park(kv, [1, 2], A1)
     with pytest.raises(ValueError, match="out of range"):
         store.park(kv, [12], A1)
     with pytest.raises(ValueError, match="does not match"):
@@ -236,7 +226,9 @@ def test_bad_arguments_are_refused():
         HostPageStore(lay, 0, CPU)
     with pytest.raises(ValueError, match="'a'"):
         HostPageStore(lay, 4, CPU, tenant_caps={"a": -1})
-    assert store.pages_in_use == 2  # refusals allocate nothing
+    with pytest.raises(ValueError, match="n: must be >= 0"):
+        store.allocate(A1, -1)
+    assert store.pages_in_use == 2 and store.owner_pages(A1) == 2  # refusals allocate nothing
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -247,13 +239,11 @@ def test_cuda_round_trip_through_pinned_staging():
     kv.values.copy_(torch.randn(kv.values.shape, device=dev).to(lay.dtype))
     store = HostPageStore(lay, 48, dev, staging_pages=4)  # 10 pages: several staging chunks
     assert store.keys.is_pinned()
-    src, dst = list(range(10)), list(range(40, 50))
+    src = list(range(10))
     want = [page(kv, p) for p in src]
     slots = store.park(kv, src, A1)
-    for layer in range(lay.num_layers):
-        store.recall(kv, slots, dst, A1, layers=range(layer, layer + 1)).wait()
-    for (k, v), p in zip(want, dst, strict=True):
-        assert torch.equal(page(kv, p)[0], k) and torch.equal(page(kv, p)[1], v)
+    kv.keys.zero_()  # what comes back comes from the host arena
+    kv.values.zero_()
     # both heads of the 10 pages twice over, as cells: 40 cells, more than staging holds (24)
     cap = store.capacity_pages
     cells = torch.tensor([h * cap + s for h in (0, 1) for s in slots] * 2)
@@ -265,4 +255,4 @@ def test_cuda_round_trip_through_pinned_staging():
         want_v = torch.stack([want[i][1][layer, h] for h, i in order])
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)
     torch.cuda.synchronize()
-    assert store.recall_latency_ms(50) is not None
+    assert store.read_latency_ms(50) is not None

@@ -1,5 +1,7 @@
 import pytest
+from pydantic import ValidationError
 
+from kvcache.policy_spec import KV_KINDS
 from services import KVPolicy, SamplingParams, StructuredOutput
 
 
@@ -43,7 +45,7 @@ def test_structured_output_needs_exactly_one_kind():
 
 def test_kv_policy_validation():
     with pytest.raises(ValueError, match="kind"):
-        KVPolicy(kind="lru")  # type: ignore[arg-type]
+        KVPolicy(kind="lru")
     with pytest.raises(ValueError, match="offload"):
         KVPolicy(kind="window", offload=True)
     assert KVPolicy(kind="quest", offload=True, budget_tokens=256).offload
@@ -64,6 +66,16 @@ def test_kv_policy_validation():
 def test_bad_kv_policies_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         KVPolicy(**kwargs)
+
+
+def test_kinds_are_the_registered_policies_and_the_policy_table_covers_them():
+    from kvcache.policies import POLICIES
+    from tests.integration.test_kv_policies import POLICIES as TABLE
+
+    assert tuple(POLICIES) == KV_KINDS
+    # `full` is the reference every row of the table is compared with
+    assert {p.kind for p in TABLE.values()} | {"full"} == set(KV_KINDS)
+    assert all(KVPolicy(kind=k).bounded == POLICIES[k].bounded for k in KV_KINDS)
 
 
 def test_kv_policy_budgets_default_from_the_window():
@@ -103,3 +115,6 @@ def test_http_kv_policy_reaches_the_engine_or_names_the_field():
     with pytest.raises(BadRequest) as err:
         sampling_from(bad, 100)
     assert err.value.param == "kv_policy" and "kv.kernel_size" in str(err.value)
+    unknown = {"model": "m", "prompt": "x", "kv_policy": {"kind": "lru"}}
+    with pytest.raises(ValidationError, match=", ".join(KV_KINDS)):  # the legal values, listed
+        CompletionRequest.model_validate(unknown)
