@@ -323,15 +323,21 @@ def print_row(row: dict) -> None:
     print(f"{row['workload']} batch {row['batch_size']} ({row['requests']} requests)", flush=True)
     print("  tok/s " + " ".join(f"{k[0]}={v:.1f}" for k, v in sorted(tps.items())), flush=True)
     print("  " + " ".join(f"{k}={v:.2f}" for k, v in row["ratios"].items()), flush=True)
+    fpt = {k[0]: f"{row[k]['forward_passes_per_token']:.2f}" for k in CONSTRAINED if k in row}
+    valid = {k[0]: row[k]["valid"] for k in (*CONSTRAINED, "e_hf_xgrammar") if k in row}
     print(f"  acceptance f={rate}  identical {row['identical']}", flush=True)
+    print(f"  fwd/token {fpt}  valid {valid}", flush=True)
 
 
 def table_constrained(rows: list[dict]) -> None:
     head = ["workload", "batch", "a tok/s", "b/a", "c/a", "d/a", "b/e", "mask ms p50/p99"]
     head += ["fwd/token d", "valid b,d,e"]
+    mine = [r for r in rows if "a_unconstrained" in r]
+    if not mine:
+        return
     print("\n| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
-    for row in (r for r in rows if "a_unconstrained" in r):
+    for row in mine:
         r, b, d = row["ratios"], row["b_overlap"], row["d_jump_forward"]
         cells = [
             row["workload"],

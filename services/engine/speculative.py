@@ -173,6 +173,7 @@ class Speculator:
             self.proposed += len(chunk.draft)
             req.metrics.num_draft_tokens += len(chunk.draft)
             own = logits[first : first + 1 + len(chunk.draft)]
+            kept = 0  # stays 0 when the walk fails the request (the boundary ends it alone)
             with engine.boundary.request(req) as stage:
                 kept = self._walk(req, chunk.draft, own, engine, stage)
             self.accepted += kept

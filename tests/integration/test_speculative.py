@@ -123,3 +123,34 @@ def test_sampling_with_drafts_finishes_and_follows_the_grammar(spec):
         json.loads(outs[0].text)
     again = spec.generate([prompts[0], prompts[2]], params)  # seeded: the same draws again
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_a_request_failing_inside_its_draft_walk_fails_alone(loaded_model, plain, monkeypatch):
+    """An error while a drafted request's rows are walked (the repeat guard's 422 in real use)
+    ends that request alone; the batch and the engine go on."""
+    from services.engine.boundary import RequestError
+    from services.engine.speculative import Speculator
+
+    llm = LLM(
+        loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0, speculative=SPECULATIVE
+    )
+    walk = Speculator._walk
+
+    def failing(req, *args):
+        if req.request_id == "hostile":
+            raise RequestError("structured.max_repeat_run: stand-in", status=422)
+        return walk(req, *args)
+
+    monkeypatch.setattr(Speculator, "_walk", staticmethod(failing))
+    engine = llm.engine
+    text = "one fish, two fish, red fish, blue fish; " * 4
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = plain.generate(text, params)[0].token_ids
+    hostile = engine.add_request(text, params, request_id="hostile")
+    victim = engine.add_request(text, params, request_id="victim")
+    while engine.has_unfinished():
+        engine.step()
+    assert hostile.finish_reason == "error" and hostile.error_status == 422
+    assert hostile.metrics.num_draft_tokens > 0  # it failed in a walk
+    assert victim.output_token_ids == want and victim.metrics.num_accepted_draft_tokens > 0
+    assert llm.generate(text, params)[0].token_ids == want
