@@ -78,6 +78,9 @@ def _arr(item: dict, n: int) -> dict:
     return {"type": "array", "items": item, "minItems": n, "maxItems": n}
 
 
+LINE_ITEM = _obj(sku=STR, product=STR, quantity=INT, unit_price=NUM)  # invoices and orders
+
+
 def _name(rng: random.Random) -> tuple[str, str]:
     first, last = rng.choice(FIRST.split()), rng.choice(LAST.split())
     return f"{first} {last}", f"{first.lower()}.{last.lower()}"
@@ -121,11 +124,10 @@ def invoice(rng: random.Random) -> Doc:
             f"Total due: {total:.2f} {cur}",
         ]
     )
-    item = _obj(sku=STR, product=STR, quantity=INT, unit_price=NUM)
     customer = _obj(name=STR, email=STR, street=STR, city=STR)
     schema = _obj(
         invoice_number=STR, issued=STR, due=STR, seller=STR, customer=customer,
-        items=_arr(item, len(lines)), total=NUM, currency=STR,
+        items=_arr(LINE_ITEM, len(lines)), total=NUM, currency=STR,
     )  # fmt: skip
     return Doc("invoice", text, schema)
 
@@ -181,11 +183,10 @@ def order(rng: random.Random) -> Doc:
             f"Shipping: {shipping:.2f}",
         ]
     )
-    line = _obj(sku=STR, product=STR, quantity=INT, unit_price=NUM)
     ship_to = _obj(street=STR, city=STR, postal_code=STR, country=STR)
     schema = _obj(
         order_id=STR, placed=STR, customer=STR, email=STR, ship_to=ship_to,
-        lines=_arr(line, len(lines)), shipping=NUM,
+        lines=_arr(LINE_ITEM, len(lines)), shipping=NUM,
     )  # fmt: skip
     return Doc("order", text, schema)
 

@@ -353,6 +353,7 @@ class Scheduler:
         self.running.remove(req)
         self._free_all(req)
         req.num_computed_tokens = 0
+        req.draft = []  # guessed for the step it no longer runs in
         req.prompt_logprobs = None  # recomputed with the prompt
         if req.kv_state is not None:  # recomputed from the first token: nothing evicted yet
             req.kv_state.evicted = req.kv_state.compactions = 0

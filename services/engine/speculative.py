@@ -138,8 +138,7 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.proposed = 0  # draft tokens scheduled for verification
-        self.accepted = 0  # of which the verification kept
-        self.passes_saved = 0  # tokens that came without a forward pass of their own
+        self.accepted = 0  # of which the verification kept: each a forward pass saved
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -150,7 +149,7 @@ class Speculator:
         cfg = self.config
         for req in running:
             req.draft = []
-            if req.num_uncomputed_tokens != 1 or req.kv_state is not None or req.finished:
+            if req.num_uncomputed_tokens != 1 or req.kv_state is not None:
                 continue
             limit = req.context_limit or self.max_model_len
             room = min(
@@ -158,7 +157,7 @@ class Speculator:
                 req.params.max_tokens - req.num_output_tokens - 1,  # the bonus token's place
                 limit - req.num_tokens - 1,
             )
-            if room < 1 or not req.ready:
+            if room < 1:
                 continue
             draft = ngram_draft(req.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, room)
             req.draft = _grammatical(req, draft)
@@ -177,7 +176,6 @@ class Speculator:
             with engine.boundary.request(req) as stage:
                 kept = self._walk(req, chunk.draft, own, engine, stage)
             self.accepted += kept
-            self.passes_saved += kept
             req.metrics.num_accepted_draft_tokens += kept
             out.append(req)
         return out

@@ -85,7 +85,7 @@ class EngineStats:
         spec = getattr(self.engine, "speculator", None)
         return [
             (getattr(self.engine.grammars, "forward_passes_saved", 0), {"source": "jump_forward"}),
-            (spec.passes_saved if spec is not None else 0, {"source": "speculative"}),
+            (spec.accepted if spec is not None else 0, {"source": "speculative"}),
         ]
 
     def _draft_tokens(self) -> Obs:
