@@ -83,6 +83,7 @@ class Request:
     error_status: int | None = None  # finish_reason "error": the HTTP status it maps to
     # speculative decoding (services/engine/speculative.py): this step's proposed tokens
     draft: list[int] = field(default_factory=list)
+    draft_room: int | None = None  # `draft_length="adaptive"`: the next draft's length cap
     prompt_logprobs: list[float] | None = None
     logprobs: list[TokenLogprob] | None = None  # SamplingParams.logprobs: one per output token
     _emitted_tokens: int = 0

@@ -9,7 +9,8 @@ last n tokens are a good guess of what comes next (vLLM's `ngram` method, the sa
   decode, the longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that occurred
   before; the up to `num_speculative_tokens` tokens that followed it are the draft. A constrained
   request's draft is cut at the first token its grammar refuses (the matcher accepts the draft,
-  then rolls back), so no position is spent on a token the mask would forbid.
+  then rolls back), so no position is spent on a token the mask would forbid. With
+  `draft_length="adaptive"` a request that missed drafts short until its drafts are kept again.
 - **Verifying** (`Speculator.verify`, after the forward): the scheduler computed the draft's
   positions with the request's last token (one multi-token row, `ScheduledChunk.draft`), so the
   forward gave logits at every position. They are walked in order exactly as plain decode steps
@@ -21,6 +22,8 @@ last n tokens are a good guess of what comes next (vLLM's `ngram` method, the sa
   computed next step, like any sampled token) and the draft's positions after it are left in the
   request's pages past `num_computed_tokens`, where nothing reads them and the next step
   overwrites them: the KV cache "rolls back" by not counting them.
+- **When**: every step unless more than `disable_by_batch_size` requests are running (vLLM's
+  key; None, the default, never stops).
 - **Who speculates**: requests with the `full` KV policy. The other policies' state follows every
   computed token (Quest's page bounds, H2O's scores, the windows' evictions) and a rejected token
   would leave its trace there, so their requests decode plainly (they fall back, never fail).
@@ -47,16 +50,25 @@ if TYPE_CHECKING:
     from services.engine.scheduler import ScheduledChunk
 
 METHODS = ("ngram",)
+DRAFT_LENGTHS = ("fixed", "adaptive")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`LLM(speculative={...})`, in vLLM's keys."""
 
+    # unset keys: the best of benchmarks/structured.py's sweep (extraction, batch 1 and 8, CPU)
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 1
+    # no drafts in a step with more running requests than this: a large batch already fills the
+    # device, and the draft positions would cost more compute than the passes they save
+    disable_by_batch_size: int | None = None
+    # "adaptive": a request's next draft is twice its last when that was kept whole, else one
+    # more than the tokens kept (a miss costs one position, a copied span grows to the cap);
+    # "fixed" (the plain twin) always drafts up to num_speculative_tokens
+    draft_length: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,6 +80,12 @@ class SpeculativeConfig:
                 "speculative.prompt_lookup_min/max: need 1 <= prompt_lookup_min <= "
                 "prompt_lookup_max <= 64"
             )
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(
+                f"speculative.draft_length: {self.draft_length!r} is not one of {DRAFT_LENGTHS}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative.disable_by_batch_size: a positive count or None")
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -147,13 +165,14 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Sets `draft` on every running request about to decode (cleared on the others)."""
         cfg = self.config
+        crowded = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
         for req in running:
             req.draft = []
-            if req.num_uncomputed_tokens != 1 or req.kv_state is not None:
+            if crowded or req.num_uncomputed_tokens != 1 or req.kv_state is not None:
                 continue
             limit = req.context_limit or self.max_model_len
             room = min(
-                cfg.num_speculative_tokens,
+                req.draft_room or cfg.num_speculative_tokens,
                 req.params.max_tokens - req.num_output_tokens - 1,  # the bonus token's place
                 limit - req.num_tokens - 1,
             )
@@ -177,6 +196,10 @@ class Speculator:
                 kept = self._walk(req, chunk.draft, own, engine, stage)
             self.accepted += kept
             req.metrics.num_accepted_draft_tokens += kept
+            if self.config.draft_length == "adaptive":
+                cap = self.config.num_speculative_tokens
+                grown = min(cap, max(req.draft_room or cap, 2 * len(chunk.draft)))
+                req.draft_room = grown if kept == len(chunk.draft) else kept + 1
             out.append(req)
         return out
 

@@ -5,13 +5,21 @@ page comes back. Every grammar kind is covered in test_structured.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from services import LLM, KVPolicy, SamplingParams, StructuredOutput
+from services.engine.speculative import Speculator
 
-SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}
+# fixed drafts here (the plain twin of the default adaptive length, tested on its own below)
+SPECULATIVE = {
+    "method": "ngram",
+    "num_speculative_tokens": 5,
+    "prompt_lookup_max": 3,
+    "draft_length": "fixed",
+}
 DOC = (
     "Order 7781-B for Maria Gonzalez, 4 Mill Lane, Bristol BS1 4DJ: 2 x steel bracket "
     "(SKU BRK-220) at 4.50, 1 x oak shelf (SKU SHF-901) at 39.00, 3 x wall plug (SKU PLG-004) "
@@ -82,6 +90,57 @@ def test_greedy_tokens_equal_plain_decoding_in_a_mixed_batch(plain, spec):
     assert sum(kept) > 0 and spec.engine.speculator.accepted == sum(kept)
     alloc = spec.engine.runner.kv.allocator
     assert alloc.num_free == alloc.num_pages  # pages of rejected drafts came back too
+
+
+def test_a_crowded_batch_decodes_plainly(loaded_model, plain):
+    """`disable_by_batch_size`: no drafts while more requests run than it allows; a request
+    running alone drafts again."""
+    prompts, params = batch(plain)
+    prompts, params = prompts[:2], params[:2]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(
+        loaded=loaded_model,
+        kv_cache_memory=64 << 20,
+        grammar_workers=0,
+        speculative={**SPECULATIVE, "disable_by_batch_size": 1},
+    )
+    crowded = llm.generate(prompts, params)
+    assert [o.token_ids for o in crowded] == want
+    # both run together until the shorter ends; only then may the other draft
+    shorter = min(range(2), key=lambda i: len(want[i]))
+    assert crowded[shorter].metrics.num_draft_tokens == 0
+    alone = llm.generate(prompts[:1], params[:1])[0]
+    assert alone.token_ids == want[0] and alone.metrics.num_draft_tokens > 0
+
+
+def test_adaptive_drafts_shrink_after_a_miss_and_keep_the_plain_tokens(
+    loaded_model, plain, monkeypatch
+):
+    prompts, params = batch(plain)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(
+        loaded=loaded_model,
+        kv_cache_memory=64 << 20,
+        grammar_workers=0,
+        speculative={**SPECULATIVE, "draft_length": "adaptive"},
+    )
+    walks: dict[str, list[tuple[int, int]]] = {}  # request -> (draft length, kept) per step
+    walk = Speculator._walk
+
+    def recorded(req, draft, rows, engine, stage):
+        kept = walk(req, draft, rows, engine, stage)
+        walks.setdefault(req.request_id, []).append((len(draft), kept))
+        return kept
+
+    monkeypatch.setattr(Speculator, "_walk", staticmethod(recorded))
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    pairs = [(a, b) for steps in walks.values() for a, b in itertools.pairwise(steps)]
+    assert any(kept < length for (length, kept), _ in pairs)  # some draft missed
+    for (length, kept), (after, _) in pairs:
+        if kept < length:  # missed: the next draft is at most one longer than what was kept
+            assert after <= kept + 1
+    assert max(length for steps in walks.values() for length, _ in steps) == 5  # grew to the cap
 
 
 def test_preempted_requests_recompute_to_the_plain_tokens(loaded_model, plain):

@@ -248,7 +248,7 @@ def test_real_world_schemas_decode_to_valid_json(llm):
             assert out.validated is False  # reported, not hidden
 
 
-SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}  # adaptive
 
 
 @pytest.mark.parametrize("jump_forward", [False, True], ids=["speculative", "with-jump-forward"])

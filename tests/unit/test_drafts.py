@@ -54,6 +54,8 @@ def test_the_rejection_rule_keeps_the_distribution():
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min/max"),
         ({"lookahead": 3}, "unknown keys ['lookahead']"),
+        ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ({"draft_length": "long"}, "draft_length"),
         ("ngram", "a dict of vLLM's keys"),
     ],
 )
