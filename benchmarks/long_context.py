@@ -5,9 +5,9 @@ In one run:
    `needle.py`): contexts of about 2k, 4k and 7k tokens, 12 haystacks per context (4 depths x 3
    seeds, each its own stretch of essays and key), under two protocols: the question fed token by
    token after the haystack (Quest's) and the question inside the prompt (SnapKV's). Each config
-   (`--configs`: dense, `kind[+union]@budget`, budgets 1/16, 1/8, 1/4 of the context) runs in one
-   batch per haystack. Prints accuracy with a 95% interval and the share of the context a decode
-   step reads; writes a plot.
+   (`--configs`: dense, `kind[+union][+dN]@budget`, budgets 1/16, 1/8, 1/4 of the context;
+   `needle.parse_config`) runs in one batch per haystack. Prints accuracy with a 95% interval
+   and the share of the context a decode step reads; writes a plot.
 2. Per policy at 1/8 of the longest context, alone: KV bytes held while decoding and the decode
    step time relative to dense.
 3. Streaming: the negative log-likelihood of every token of a text longer than 3x the model's
@@ -17,6 +17,7 @@ In one run:
     .venv/bin/python benchmarks/long_context.py [--contexts 2048,4096,7168]
         [--depths 0.1,0.35,0.65,0.9] [--seeds 3] [--protocols after,inside]
         [--configs dense,quest@1/8,...] [--sections needle,timing,stream]
+        [--page-size 16] [--quest-bound-tokens N]  (engine settings: Quest's bounds per N tokens)
 
 Writes `benchmarks/results/long_context.json`, `long_context_needle.png`, `long_context_stream.png`.
 """
@@ -185,6 +186,10 @@ def main() -> None:
     ap.add_argument("--stream-budget", type=int, default=1024)
     ap.add_argument("--timing-steps", type=int, default=24)
     ap.add_argument("--sections", default="needle,timing,stream")
+    ap.add_argument("--page-size", type=int, default=16, help="the engine's KV page")
+    ap.add_argument(
+        "--quest-bound-tokens", type=int, default=None, help="the engine's; default: the page"
+    )
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     depths = [float(d) for d in args.depths.split(",")]
@@ -194,7 +199,13 @@ def main() -> None:
         ap.error(f"--protocols: choose from {', '.join(PROTOCOLS)}")
     RESULTS.mkdir(exist_ok=True)
 
-    llm = LLM(kv_cache_memory=3 << 30, grammar_workers=0, seed=0)
+    llm = LLM(
+        kv_cache_memory=3 << 30,
+        grammar_workers=0,
+        seed=0,
+        page_size=args.page_size,
+        quest_bound_tokens=args.quest_bound_tokens,
+    )
     essay = llm.tokenizer.encode(essays_text(), add_special_tokens=False)  # past max_prompt_chars
     print(f"haystack: {len(essay)} tokens of essays", flush=True)
     result: dict[str, Any] = {"args": vars(args)}

@@ -41,13 +41,21 @@ FRACTIONS = {"1/16": 1 / 16, "1/8": 1 / 8, "1/4": 1 / 4}
 
 
 def parse_config(name: str, ctx: int, page_size: int) -> KVPolicy | None:
-    """`dense`, or `kind[+union]@fraction`, e.g. `quest@1/8`, `quest+union@1/8`, `h2o@1/4`."""
+    """`dense`, or `kind[+variant...]@fraction`, variants `union` (`quest_heads="union"`) and
+    `dN` (`dense_layers=N`), e.g. `quest@1/8`, `quest+union+d4@1/8`, `h2o@1/4`."""
     if name == "dense":
         return None
     kind, _, frac = name.partition("@")
-    kind, _, variant = kind.partition("+")
+    kind, *variants = kind.split("+")
     budget = max(page_size, round(ctx * FRACTIONS[frac] / page_size) * page_size)
-    extra = {"quest_heads": "union"} if variant == "union" else {}
+    extra: dict[str, Any] = {}
+    for v in variants:
+        if v == "union":
+            extra["quest_heads"] = "union"
+        elif v[:1] == "d" and v[1:].isdigit():
+            extra["dense_layers"] = int(v[1:])
+        else:
+            raise SystemExit(f"{name}: unknown variant {v!r} (union, dN)")
     return KVPolicy(kind=kind, budget_tokens=budget, **extra)
 
 

@@ -71,8 +71,8 @@ class BoundsUpdate:
     """New keys that move Quest's per-page min/max."""
 
     tokens: torch.Tensor  # [N] packed index of each key
-    pages: torch.Tensor  # [N] its page
-    fresh: torch.Tensor  # [F] pages whose first key arrives now: old bounds are dropped
+    cells: torch.Tensor  # [N] its bound cell (`PagedKVCache.bound_cells`: its page's part)
+    fresh: torch.Tensor  # [F] cells of pages whose first key arrives now: old bounds go
 
 
 @dataclass
@@ -307,13 +307,13 @@ def _kernel_attention(
 
 
 def _update_bounds(kv: PagedKVCache, layer: int, keys: torch.Tensor, upd: BoundsUpdate) -> None:
-    """keys `[KVH, T, D]`: fold the new keys into their pages' channel-wise min and max."""
+    """keys `[KVH, T, D]`: fold the new keys into their cells' channel-wise min and max."""
     new = keys.index_select(1, upd.tokens)  # [KVH, N, D] post-RoPE, as Quest's bounds need
     lo, hi = kv.bounds_min[layer], kv.bounds_max[layer]
     if upd.fresh.numel():
         lo.index_fill_(1, upd.fresh, float("inf"))
         hi.index_fill_(1, upd.fresh, float("-inf"))
-    index = upd.pages[None, :, None].expand_as(new)
+    index = upd.cells[None, :, None].expand_as(new)
     lo.scatter_reduce_(1, index, new, "amin")
     hi.scatter_reduce_(1, index, new, "amax")
 
@@ -357,11 +357,13 @@ def _quest_attention(
     rows, heads, _, dim = qs.shape
     kvh, ps, num_pages = kv.layout.num_kv_heads, kv.page_size, kv.num_pages
     table = quest.page_table  # [R, P]
-    lo = kv.bounds_min[layer][:, table].transpose(0, 1)  # [R, KVH, P, D]
-    hi = kv.bounds_max[layer][:, table].transpose(0, 1)
-    pages = torch.arange(table.shape[1], device=table.device)
-    valid = pages[None, :] < quest.num_pages[:, None]  # [R, P]
+    cells = kv.bound_cells(table).flatten(1)  # [R, P * splits]: each page's parts in order
+    lo = kv.bounds_min[layer][:, cells].transpose(0, 1)  # [R, KVH, P * splits, D]
+    hi = kv.bounds_max[layer][:, cells].transpose(0, 1)
+    first = torch.arange(cells.shape[1], device=table.device) * (ps // kv.bound_splits)
+    valid = first[None, :] < quest.ends[:, None]  # [R, P * splits]: parts holding a key
     score = quest_page_scores(qs.view(rows, kvh, heads // kvh, dim), lo, hi, valid, quest.union)
+    score = score.view(rows, kvh, table.shape[1], kv.bound_splits).amax(dim=-1)  # best part
     last = (quest.num_pages - 1)[:, None, None].expand(rows, kvh, 1)
     score.scatter_(2, last, float("inf"))  # the page being written is always read
     chosen = score.topk(quest.k, dim=-1).indices.sort(dim=-1).values  # [R, KVH, k] in order

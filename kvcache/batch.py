@@ -241,23 +241,27 @@ def _plan_key(s: SeqSlice) -> tuple[object, ...]:
     )
 
 
-def _bounds_update(seqs: list[SeqSlice], offsets: list[int], page_size: int) -> BoundsUpdate | None:
-    """Which new keys feed Quest's page bounds, and which pages start afresh this step."""
+def _bounds_update(
+    seqs: list[SeqSlice], offsets: list[int], page_size: int, splits: int
+) -> BoundsUpdate | None:
+    """Which new keys feed Quest's bounds (each into its page's part: `PagedKVCache.bound_cells`),
+    and which pages start afresh this step."""
     tokens: list[int] = []
-    pages: list[int] = []
+    cells: list[int] = []
     fresh: list[int] = []
+    part = page_size // splits
     for s, offset in zip(seqs, offsets, strict=True):
         if s.plan is None or not s.plan.bounds:
             continue
         for lo, hi, page in _page_runs(s, page_size):
             tokens.extend(range(offset + lo - s.start, offset + hi - s.start))
-            pages.extend([page] * (hi - lo))
+            cells.extend(page * splits + (t % page_size) // part for t in range(lo, hi))
             if lo % page_size == 0:  # a page's first key: the bounds of its last owner go
-                fresh.append(page)
+                fresh.extend(range(page * splits, (page + 1) * splits))
     if not tokens:
         return None
     return BoundsUpdate(
-        torch.tensor(tokens), torch.tensor(pages), torch.tensor(fresh, dtype=torch.long)
+        torch.tensor(tokens), torch.tensor(cells), torch.tensor(fresh, dtype=torch.long)
     )
 
 
@@ -302,7 +306,7 @@ def build_paged_batch(
     ]
     if any(s.plan is not None and s.plan.scores for s in seqs):
         kv.ensure_scores()
-    bounds = _bounds_update(seqs, offsets, ps)
+    bounds = _bounds_update(seqs, offsets, ps, kv.bound_splits)
     if bounds is not None:
         kv.ensure_bounds()
     batch = PagedBatch(

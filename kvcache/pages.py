@@ -144,8 +144,12 @@ class PagedKVCache:
         num_pages: int,
         device: torch.device,
         allocator: type[PageAllocator] = PageAllocator,
+        bound_splits: int = 1,
     ) -> None:
+        if bound_splits < 1 or layout.page_size % bound_splits:
+            raise ValueError(f"bound_splits: a divisor of the page size, got {bound_splits}")
         self.layout = layout
+        self.bound_splits = bound_splits
         self.num_pages = num_pages
         self.device = device
         shape = (
@@ -164,9 +168,10 @@ class PagedKVCache:
         # [layers, KVH, slots + 1] float32 per-token scores (H2O, SnapKV); the last slot is a
         # sink for padded key positions, so a batched scatter never touches a real token's score.
         self.scores = torch.empty(0, device=device)
-        # [layers, KVH, num_pages + host pages, D] channel-wise min and max of each page's keys
-        # (Quest). Page ids from `num_pages` on name host slots (`host`): their bounds stay here,
-        # on the device, so selection never waits for the host.
+        # [layers, KVH, (num_pages + host pages) * bound_splits, D] channel-wise min and max of
+        # the keys of each equal part of each page (Quest; `bound_cells`; one part: the page).
+        # Page ids from `num_pages` on name host slots (`host`): their bounds stay here, on the
+        # device, so selection never waits for the host.
         self.bounds_min = torch.empty(0, dtype=layout.dtype, device=device)
         self.bounds_max = torch.empty(0, dtype=layout.dtype, device=device)
         self.host: HostPages | None = None
@@ -198,9 +203,19 @@ class PagedKVCache:
     def ensure_bounds(self) -> None:
         if not self.bounds_min.numel():
             lay = self.layout
-            shape = (lay.num_layers, lay.num_kv_heads, self.num_ids, lay.head_dim)
+            shape = (
+                lay.num_layers,
+                lay.num_kv_heads,
+                self.num_ids * self.bound_splits,
+                lay.head_dim,
+            )
             self.bounds_min = torch.zeros(shape, dtype=lay.dtype, device=self.device)
             self.bounds_max = torch.zeros(shape, dtype=lay.dtype, device=self.device)
+
+    def bound_cells(self, pages: torch.Tensor) -> torch.Tensor:
+        """`[..., bound_splits]` the bound cells of each page id in `pages` (its parts in order)."""
+        splits = self.bound_splits
+        return pages[..., None] * splits + torch.arange(splits, device=pages.device)
 
     def workspace(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two reusable `[kv_heads, num_pages, page_size, head_dim]` buffers for gathered pages.

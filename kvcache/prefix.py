@@ -130,6 +130,8 @@ def refresh_bounds(kv: PagedKVCache, pages: list[int]) -> None:
     ids = torch.tensor(pages, device=kv.device)
     slots = (ids[:, None] * ps + torch.arange(ps, device=kv.device)).reshape(-1)
     keys = kv.keys.index_select(2, slots)  # [layers, KVH, n * ps, D]
-    keys = keys.view(lay.num_layers, lay.num_kv_heads, len(pages), ps, lay.head_dim)
-    kv.bounds_min.index_copy_(2, ids, keys.amin(dim=3))
-    kv.bounds_max.index_copy_(2, ids, keys.amax(dim=3))
+    parts = len(pages) * kv.bound_splits  # each page's parts in order: its bound cells
+    keys = keys.view(lay.num_layers, lay.num_kv_heads, parts, ps // kv.bound_splits, lay.head_dim)
+    cells = kv.bound_cells(ids).flatten()
+    kv.bounds_min.index_copy_(2, cells, keys.amin(dim=3))
+    kv.bounds_max.index_copy_(2, cells, keys.amax(dim=3))

@@ -40,6 +40,10 @@ class EngineConfig:
     # half the tier, so no one tenant can fill it.
     kv_tier_pages: int = 0
     kv_tier_tenant_pages: int | None = None
+    # Quest keeps its key bounds per this many tokens (a power of two up to page_size) and
+    # scores a page by its best part: finer bounds find a needle a whole page's blurs. It still
+    # reads whole pages. None: one bound per page (the plain twin).
+    quest_bound_tokens: int | None = None
     # Containment (services/engine/boundary.py). A request whose masks slower than
     # `mask_budget_ms` add up to `mask_strikes` budgets fails (422) and its grammar is refused.
     mask_budget_ms: float = 20.0
@@ -79,6 +83,9 @@ class EngineConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size: must be a power of two, got {self.page_size}")
+        qb = self.quest_bound_tokens
+        if qb is not None and (qb < 1 or qb & (qb - 1) or qb > self.page_size):
+            raise ValueError(f"quest_bound_tokens: a power of two up to page_size, got {qb}")
         if self.kv_tier_pages < 0:
             raise ValueError("kv_tier_pages: must be >= 0")
         if self.grammar_workers < 0:

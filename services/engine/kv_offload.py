@@ -120,8 +120,8 @@ class OffloadManager:
     def _copy_bounds(self, src: list[int], dst: list[int]) -> None:
         if not self.kv.bounds_min.numel():
             return
-        s = torch.tensor(src, device=self.kv.device)
-        d = torch.tensor(dst, device=self.kv.device)
+        s = self.kv.bound_cells(torch.tensor(src, device=self.kv.device)).flatten()
+        d = self.kv.bound_cells(torch.tensor(dst, device=self.kv.device)).flatten()
         for bounds in (self.kv.bounds_min, self.kv.bounds_max):
             bounds.index_copy_(2, d, bounds.index_select(2, s))
 

@@ -48,7 +48,9 @@ class ModelRunner:
         layout = _kv_layout(self.model.config, config.page_size, self.dtype)
         budget = config.kv_budget_bytes(self.device)
         allocator = PrefixCachingAllocator if config.enable_prefix_caching else PageAllocator
-        self.kv = PagedKVCache(layout, layout.pages_for_budget(budget), self.device, allocator)
+        splits = config.page_size // (config.quest_bound_tokens or config.page_size)
+        pages = layout.pages_for_budget(budget)
+        self.kv = PagedKVCache(layout, pages, self.device, allocator, bound_splits=splits)
         if config.inplace_attention and self.device.type == "cpu" and self.dtype == torch.float32:
             self.kv.kernel = native.load(settings.cache_dir() / "kernels")
         log.info(

@@ -73,6 +73,25 @@ def test_offloaded_quest_equals_all_resident_quest(tiered, roomy, tokens, budget
     assert empty(tiered)
 
 
+def test_quest_bounds_per_half_page_keep_offloaded_equal_to_resident(loaded_model):
+    """`quest_bound_tokens=8`: two bounds per page, copied with the page when it is parked and
+    rebuilt for the pages a prompt finds in the prefix cache."""
+    half = dict(loaded=loaded_model, grammar_workers=0, quest_bound_tokens=8)
+    roomy = LLM(kv_cache_memory=256 * PAGE_BYTES, **half)
+    tiered = LLM(kv_cache_memory=40 * PAGE_BYTES, kv_tier_pages=200, **half)
+    assert roomy.engine.runner.kv.bound_splits == 2
+    ids = prompt(roomy, 480)
+    quest = KVPolicy(kind="quest", budget_tokens=32)
+    resident = roomy.generate(ids, greedy(quest))[0]
+    again = roomy.generate(ids, greedy(quest))[0]
+    assert again.metrics.num_cached_tokens > 0 and again.token_ids == resident.token_ids
+    for hot in (0, None):
+        off = tiered.generate(ids, greedy(replace(quest, offload=True, hot_pages=hot)))[0]
+        assert off.finish_reason == "length", off.warnings
+        assert off.token_ids == resident.token_ids
+    assert empty(tiered)
+
+
 def test_a_context_larger_than_the_device_pool_runs_only_with_the_tier(tiered, roomy):
     ids = prompt(tiered, 1200)  # the device pool holds 640 tokens
     assert len(ids) > tiered.engine.runner.kv.num_pages * PS

@@ -18,15 +18,16 @@ from kvcache.attention import (
 )
 from kvcache.pages import KVLayout, PagedKVCache
 from kvcache.policies import compact, new_state
+from kvcache.prefix import refresh_bounds
 from services.engine.model_runner import _rotate_half
 from services.engine.params import KVPolicy
 
 LAYERS, KVH, G, D, PS = 2, 2, 3, 8, 4
 
 
-def make_cache(num_pages: int = 32) -> PagedKVCache:
+def make_cache(num_pages: int = 32, bound_splits: int = 1) -> PagedKVCache:
     layout = KVLayout(LAYERS, KVH, D, PS, torch.float32)
-    return PagedKVCache(layout, num_pages, torch.device("cpu"))
+    return PagedKVCache(layout, num_pages, torch.device("cpu"), bound_splits=bound_splits)
 
 
 def fill(kv: PagedKVCache, pages: list[int], n: int) -> torch.Tensor:
@@ -162,6 +163,59 @@ def test_quest_reads_the_best_pages_and_always_the_last():
     # softmax over page 1 (logits 3/sqrt(D)) and page 3 (logits 0): values 2 and 4 only
     w = math.exp(3 / math.sqrt(D)) / (math.exp(3 / math.sqrt(D)) + 1)
     expected = 2.0 * w + 4.0 * (1 - w)
+    torch.testing.assert_close(out, torch.full_like(out, expected))
+
+
+def test_bounds_per_part_hold_each_parts_min_and_max():
+    """Two bound cells per page: folding keys in (decode and prefill) and rebuilding them from
+    the pool (prefix cache) give each half page's channel-wise min and max."""
+    torch.manual_seed(3)
+    kv = make_cache(bound_splits=2)
+    kv.ensure_bounds()
+    pages = [6, 3, 10]
+    keys = fill(kv, pages, 3 * PS)
+    half = PS // 2
+    for layer in range(LAYERS):
+        cells = torch.tensor([pages[t // PS] * 2 + (t % PS) // half for t in range(3 * PS)])
+        fresh = kv.bound_cells(torch.tensor(pages)).flatten()
+        _update_bounds(kv, layer, keys[layer], BoundsUpdate(torch.arange(3 * PS), cells, fresh))
+    parts = keys.view(LAYERS, KVH, 6, half, D)
+    cells = kv.bound_cells(torch.tensor(pages)).flatten()
+    assert torch.equal(kv.bounds_min[:, :, cells], parts.amin(dim=3))
+    assert torch.equal(kv.bounds_max[:, :, cells], parts.amax(dim=3))
+    folded = kv.bounds_min.clone(), kv.bounds_max.clone()
+    kv.bounds_min.zero_(), kv.bounds_max.zero_()
+    refresh_bounds(kv, pages)
+    assert torch.equal(kv.bounds_min, folded[0]) and torch.equal(kv.bounds_max, folded[1])
+
+
+@pytest.mark.parametrize(("splits", "page"), [(1, 1), (2, 0)])
+def test_bounds_per_part_find_the_key_a_whole_page_bound_blurs(splits, page):
+    """q = e0 + e1. Page 0's keys are 1.5 e0 + 1.5 e1 (q·k = 3); page 1 holds 2 e0 in its first
+    half and 2 e1 in its second (q·k = 2), yet its whole-page bound is 4. With a budget of one
+    page beside the last, one bound per page reads page 1 (the decoy), two per page page 0."""
+    kv = make_cache(bound_splits=splits)
+    kv.ensure_bounds()
+    pages = [3, 4, 6]  # the third is the last (always read; its keys are 0)
+    keys = torch.zeros(LAYERS, KVH, 3 * PS, D)
+    keys[:, :, 0:PS, :2] = 1.5
+    keys[:, :, PS : PS + PS // 2, 0] = 2.0
+    keys[:, :, PS + PS // 2 : 2 * PS, 1] = 2.0
+    kv.values.zero_()
+    for t in range(3 * PS):
+        kv.keys[:, :, pages[t // PS] * PS + t % PS] = keys[:, :, t]
+    for p, marker in zip(pages, [1.0, 2.0, 0.0], strict=True):
+        kv.values[:, :, p * PS : (p + 1) * PS] = marker
+    cells = torch.tensor([pages[t // PS] * splits + (t % PS) * splits // PS for t in range(3 * PS)])
+    fresh = kv.bound_cells(torch.tensor(pages)).flatten()
+    _update_bounds(kv, 0, keys[0], BoundsUpdate(torch.arange(3 * PS), cells, fresh))
+    q = torch.zeros(1, KVH * G, 1, D)
+    q[..., :2] = 1.0
+    read = QuestRead(torch.tensor([pages]), torch.tensor([3]), torch.tensor([3 * PS]), 2, 0)
+    out = _quest_attention(kv, 0, q, read, None)
+    # softmax over the chosen page (its logit) and the last page (logit 0): its marker only
+    logit = (3.0 if page == 0 else 2.0) / math.sqrt(D)
+    expected = [1.0, 2.0][page] * math.exp(logit) / (math.exp(logit) + 1)
     torch.testing.assert_close(out, torch.full_like(out, expected))
 
 
