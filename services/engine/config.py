@@ -41,8 +41,8 @@ class EngineConfig:
     kv_tier_pages: int = 0
     kv_tier_tenant_pages: int | None = None
     # Quest keeps its key bounds per this many tokens (a power of two up to page_size) and
-    # scores a page by its best part: finer bounds find a needle a whole page's blurs. It still
-    # reads whole pages. None: one bound per page (the plain twin).
+    # scores a page by its best part, whose bound mixes fewer keys' channels; it still reads
+    # whole pages. None: one bound per page (the plain twin).
     quest_bound_tokens: int | None = None
     # Containment (services/engine/boundary.py). A request whose masks slower than
     # `mask_budget_ms` add up to `mask_strikes` budgets fails (422) and its grammar is refused.
