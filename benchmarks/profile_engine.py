@@ -1,12 +1,16 @@
 """Where an engine step's time goes: per phase (scheduling, batch metadata, the model forward,
 attention, masks, sampling, detokenization and the rest) and, inside the forward, by op family.
 
-Runs engine_throughput.py's mixed workload (seeded random prompts 50-800 tokens, outputs 16-256,
-greedy, EOS ignored) through `services.LLM` with every phase's function wrapped in a timer (the
-engine itself is unchanged), then the same workload again under `torch.profiler` for the op
-families. Writes `benchmarks/results/profile_engine.json`.
+Runs a workload through `services.LLM` with every phase's function wrapped in a timer (the engine
+itself is unchanged), then the same workload again under `torch.profiler` for the op families:
+  mixed  engine_throughput.py's requests (seeded random prompts 50-800 tokens, outputs 16-256,
+         greedy, EOS ignored);
+  json   vs_vllm.py's JSON-schema requests (structured.py's schemas, a chat prompt asking for a
+         value of each, 128 tokens at most; xgrammar; the grammars compiled before timing).
+Writes `benchmarks/results/profile_engine[_json].json`.
 
-    .venv/bin/python benchmarks/profile_engine.py [--requests 16] [--threads 2] [--no-ops]
+    .venv/bin/python benchmarks/profile_engine.py [--workload mixed|json] [--requests N]
+        [--threads 2] [--no-ops] [--engine-args '{"key": value}']
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from services import LLM, SamplingParams
+from services import LLM, SamplingParams, StructuredOutput
 
 RESULTS = Path(__file__).resolve().parent / "results"
+WARM_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
 class Phases:
@@ -56,23 +62,44 @@ class Phases:
         setattr(owner, attr, timed)
 
 
-def workload(requests: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+Work = list[tuple[list[int], SamplingParams]]
+
+
+def mixed_workload(requests: int, vocab: int, seed: int) -> Work:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(100, vocab) for _ in range(rng.randint(50, 800))], rng.randint(16, 256))
+        (
+            [rng.randrange(100, vocab) for _ in range(rng.randint(50, 800))],
+            SamplingParams(max_tokens=rng.randint(16, 256), temperature=0, ignore_eos=True),
+        )
         for _ in range(requests)
     ]
 
 
-def run(llm: LLM, work: list[tuple[list[int], int]]) -> tuple[float, int, int]:
+def json_workload(llm: LLM, requests: int) -> Work:
+    from structured_workloads import pick_schemas
+
+    schemas = pick_schemas(requests)
+    ask = "Produce a JSON value for this schema, nothing else: "  # vs_vllm.py's prompt
+    out = []
+    for i in range(requests):
+        s = schemas[i % len(schemas)]
+        prompt = llm.engine.apply_chat_template([{"role": "user", "content": ask + json.dumps(s)}])
+        params = SamplingParams(
+            max_tokens=128, temperature=0, structured=StructuredOutput(json_schema=s)
+        )
+        out.append((prompt, params))
+    return out
+
+
+def run(llm: LLM, work: Work) -> tuple[float, int, int]:
     engine = llm.engine
-    for p, n in work:
-        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    reqs = [engine.add_request(p, params) for p, params in work]
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    return time.perf_counter() - start, steps, sum(n for _, n in work)
+    return time.perf_counter() - start, steps, sum(r.num_output_tokens for r in reqs)
 
 
 def instrument(llm: LLM) -> Phases:
@@ -96,7 +123,7 @@ def instrument(llm: LLM) -> Phases:
     return phases
 
 
-def op_families(llm: LLM, work: list[tuple[list[int], int]]) -> list[tuple[str, float]]:
+def op_families(llm: LLM, work: Work) -> list[tuple[str, float]]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -107,18 +134,27 @@ def op_families(llm: LLM, work: list[tuple[list[int], int]]) -> list[tuple[str, 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--workload", choices=("mixed", "json"), default="mixed")
+    p.add_argument("--requests", type=int, default=None, help="default: mixed 16, json 22")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-ops", action="store_true", help="skip the torch.profiler pass")
+    p.add_argument("--engine-args", default="{}", help="JSON: more EngineConfig keys")
     args = p.parse_args()
-    llm = LLM(num_threads=args.threads, grammar_workers=0)
-    work = workload(args.requests, llm.engine.runner.vocab_size, args.seed)
-    run(llm, work[:2])  # warm-up
+    llm = LLM(num_threads=args.threads, **json.loads(args.engine_args))
+    if args.workload == "json":
+        work = json_workload(llm, args.requests or 22)
+        # as vs_vllm_worker.py: warmed up on a schema of its own, so the workload's grammars
+        # compile (and its prompts fill the prefix cache) inside the timed run
+        warm = StructuredOutput(json_schema=WARM_SCHEMA)
+        run(llm, [(work[0][0][:8], SamplingParams(max_tokens=8, structured=warm))])
+    else:
+        work = mixed_workload(args.requests or 16, llm.engine.runner.vocab_size, args.seed)
+        run(llm, work[:2])  # warm-up
     phases = instrument(llm)
     wall, steps, tokens = run(llm, work)
     print(
-        f"{args.requests} requests, {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s), "
+        f"{len(work)} requests, {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s), "
         f"{steps} steps ({wall / steps * 1e3:.1f} ms a step)"
     )
     table = sorted(phases.own.items(), key=lambda kv: -kv[1])
@@ -132,7 +168,8 @@ def main() -> None:
             print(f"  {name:40} {seconds:7.2f} s")
         out["ops"] = ops
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "profile_engine.json").write_text(json.dumps(out, indent=2) + "\n")
+    suffix = "" if args.workload == "mixed" else f"_{args.workload}"
+    (RESULTS / f"profile_engine{suffix}.json").write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The KV cache's native kernel (`paged_attention.c`): built once per machine, loaded with ctypes.
 
-Built with the system C compiler (`CC`, else `cc`) into a folder the caller names (the engine
-passes its cache folder), under a name that hashes the source, the flags and the CPU's feature
-list (`-march=native` code must not run on another CPU sharing that folder). A missing compiler,
-a failed build or a read-only folder leave `load` returning None: the engine then keeps the
-plain path (gather, then SDPA) and says so once in the log.
+`library` builds any of the project's C files (the model's fused steps use it too) with the
+system C compiler (`CC`, else `cc`) into a folder the caller names (the engine passes its cache
+folder), under a name that hashes the source, the flags and the CPU's feature list
+(`-march=native` code must not run on another CPU sharing that folder). A missing compiler, a
+failed build or a read-only folder leave it returning None: the caller keeps its plain path
+(here: gather, then SDPA) and says so once in the log.
 
 OpenMP: the library links `libgomp.so.1` by name, which resolves to the copy torch has already
 loaded, so both share one thread pool instead of two pools spinning against each other.
@@ -95,13 +96,13 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _build(compiler: str, out: Path) -> None:
+def _build(compiler: str, source: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -113,21 +114,29 @@ def _build(compiler: str, out: Path) -> None:
 
 
 @functools.cache
-def load(build_dir: Path) -> PagedKernel | None:
-    """The kernel, built into `build_dir` if it is not there yet; None where it cannot be."""
+def library(source: Path, build_dir: Path) -> ctypes.CDLL | None:
+    """`source` built into `build_dir` if it is not there yet, loaded; None where it cannot be
+    (the reason logged once)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("paged attention kernel: no C compiler found; attention gathers pages")
+        log.warning("%s: no C compiler found; the plain path is kept", source.name)
         return None
     try:
         key = hashlib.sha256()
-        for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_features().encode()):
+        for part in (source.read_bytes(), " ".join(FLAGS).encode(), _cpu_features().encode()):
             key.update(part)
-        path = build_dir / f"paged_attention-{key.hexdigest()[:16]}.so"
+        path = build_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
         if not path.is_file():
-            _build(compiler, path)
-        return PagedKernel(ctypes.CDLL(str(path)))
+            _build(compiler, source, path)
+        return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", None) or exc
-        log.warning("paged attention kernel unavailable (%s); attention gathers pages", detail)
+        log.warning("%s unavailable (%s); the plain path is kept", source.name, detail)
         return None
+
+
+def load(build_dir: Path) -> PagedKernel | None:
+    """The kernel, built into `build_dir` if it is not there yet; None where it cannot be
+    (attention then gathers pages)."""
+    lib = library(SOURCE, build_dir)
+    return PagedKernel(lib) if lib is not None else None

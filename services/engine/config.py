@@ -71,6 +71,10 @@ class EngineConfig:
     # first use) instead of gathering them into a workspace for SDPA. CPU and float32 only for
     # now; False, or a machine without a C compiler: the plain twin (gather, then SDPA).
     inplace_attention: bool = True
+    # Llama-family models through a lean forward with their norms, RoPE and SiLU fused
+    # (services/models/fused.py), checked against transformers' at load. False: the plain twin
+    # (transformers' forward).
+    fused_forward: bool = True
     # Speculative decoding (services/engine/speculative.py), vLLM's keys: {"method": "ngram",
     # "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}. None: the
     # plain twin, one token per request per forward pass.

@@ -15,7 +15,7 @@ from services import settings
 from services.engine.config import EngineConfig
 from services.engine.request import Request
 from services.engine.scheduler import ScheduledChunk
-from services.models import LoadedModel, load_model, packed
+from services.models import LoadedModel, fused, load_model, packed
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ class ModelRunner:
             self.attention = self._probe()
         self.packed = config.packed_weights and packed.pack_linears(self.model, siblings) > 0
         self.rotate = rope_rotation(self.model)
+        self.fused: fused.FusedForward | None = None
+        if config.fused_forward:
+            plain = not self.attention.layers
+            lean = fused.for_model(self.model, plain, settings.cache_dir() / "kernels")
+            self.fused = lean if lean is not None and self._agrees(lean) else None
 
     @torch.inference_mode()
     def _probe(self) -> variants.AttentionProfile:
@@ -101,6 +106,33 @@ class ModelRunner:
             )
         return profile
 
+    @torch.inference_mode()
+    def _agrees(self, lean: fused.FusedForward) -> bool:
+        """A few tokens (into page 0, as `_probe`) through transformers' forward and the lean
+        one: their logits must agree, or the lean forward is not used for this model."""
+        n = min(4, self.kv.page_size)
+        ids = torch.arange(100, 100 + n, device=self.device)[None]
+        keep = torch.arange(n, device=self.device)
+        logits = []
+        for forward in (self._transformers_forward, lean):
+            batch, position_ids = build_paged_batch(self.kv, [SeqSlice([0], 0, n)])
+            with attention.stepping(batch), self._products():
+                logits.append(forward(ids, position_ids, keep).float())
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        scale = logits[0].abs().max().item()
+        agree = torch.allclose(logits[1], logits[0], rtol=0, atol=tolerance * max(scale, 1.0))
+        if not agree:
+            log.warning("fused forward: its logits differ from transformers'; not used")
+        return agree
+
+    def _transformers_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep
+        )
+        return out.logits[0]
+
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
@@ -135,14 +167,9 @@ class ModelRunner:
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
+        forward = self.fused or self._transformers_forward
         with attention.stepping(batch), self._products():
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=keep,
-            )
-        logits = out.logits[0]
+            logits = forward(input_ids, position_ids, keep)
         if scored:
             _record_prompt_logprobs(logits[len(sample_rows) :], scored)
         return logits[: len(sample_rows)]

@@ -129,14 +129,14 @@ def test_repetition_penalty_and_min_tokens_equal_hf_generate(loaded_model, promp
 
 @pytest.mark.parametrize(
     "twin",
-    [{"packed_weights": False}, {"inplace_attention": False}],
-    ids=["plain-linears", "gathered-attention"],
+    [{"packed_weights": False}, {"inplace_attention": False}, {"fused_forward": False}],
+    ids=["plain-linears", "gathered-attention", "transformers-forward"],
 )
 def test_the_plain_twins_of_the_fast_paths_equal_hf_generate(
     loaded_model, prompts, hf_tokens, twin
 ):
-    """The default run above has packed weights and in-place attention (on CPU); each plain twin
-    gives the same tokens, with preemption in play."""
+    """The default run above has packed weights, in-place attention and the fused forward (on
+    CPU); each plain twin gives the same tokens, with preemption in play."""
     longest = max(len(p) for p in prompts) + NEW_TOKENS
     pages = 2 * (-(-longest // PS)) + 2
     bytes_per_page = loaded_model.model.config.num_hidden_layers * 2 * 3 * 64 * 4 * PS
@@ -144,4 +144,5 @@ def test_the_plain_twins_of_the_fast_paths_equal_hf_generate(
     assert llm.engine.scheduler.num_preemptions > 0
     assert (llm.engine.runner.kv.kernel is None) == (twin.get("inplace_attention") is False)
     assert llm.engine.runner.packed == twin.get("packed_weights", True)
+    assert (llm.engine.runner.fused is None) == (twin.get("fused_forward") is False)
     assert tokens == hf_tokens

@@ -1,7 +1,8 @@
 """The engine's fast paths against their plain twins on the real model: packed linear weights
-(`packed_weights`) and attention reading pages in place (`inplace_attention`) give the same
-greedy tokens as `F.linear` and gather-then-SDPA, for constrained rows of every grammar kind and
-for every KV policy, in one mixed batch. (Unconstrained rows with preemption are compared with
+(`packed_weights`), attention reading pages in place (`inplace_attention`) and the lean forward
+with fused steps (`fused_forward`) give the same greedy tokens as `F.linear`, gather-then-SDPA
+and transformers' forward, for constrained rows of every grammar kind and for every KV policy,
+in one mixed batch. (Unconstrained rows with preemption are compared with
 transformers' `generate` in test_engine_hf_equivalence.py.)"""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from services import LLM, KVPolicy, SamplingParams, StructuredOutput
+from services.models import fused
 
 PERSON = {
     "type": "object",
@@ -50,7 +52,9 @@ def batch(llm: LLM) -> tuple[list, list[SamplingParams]]:
 @pytest.fixture(scope="module")
 def fast(loaded_model) -> list[list[int]]:
     llm = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
-    assert llm.engine.runner.packed and llm.engine.runner.kv.kernel is not None
+    runner = llm.engine.runner
+    assert runner.packed and runner.kv.kernel is not None
+    assert runner.fused is not None and isinstance(runner.fused.steps, fused.CSteps)
     outs = llm.generate(*batch(llm))
     assert all(o.finish_reason in ("stop", "length") for o in outs), [o.warnings for o in outs]
     return [o.token_ids for o in outs]
@@ -58,8 +62,8 @@ def fast(loaded_model) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "twin",
-    [{"packed_weights": False}, {"inplace_attention": False}],
-    ids=["plain-linears", "gathered-attention"],
+    [{"packed_weights": False}, {"inplace_attention": False}, {"fused_forward": False}],
+    ids=["plain-linears", "gathered-attention", "transformers-forward"],
 )
 def test_constrained_rows_and_every_kv_policy_equal_the_plain_twin(loaded_model, fast, twin):
     llm = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0, **twin)

@@ -70,4 +70,4 @@ def test_the_kernel_equals_gather_then_sdpa(kernel, heads, kv_heads, variant, sh
 
 def test_no_compiler_leaves_the_plain_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert native.load.__wrapped__(tmp_path / "kernels") is None  # type: ignore[attr-defined]
+    assert native.library.__wrapped__(native.SOURCE, tmp_path / "kernels") is None  # type: ignore[attr-defined]

@@ -1,0 +1,122 @@
+/* The elementwise steps of a Llama-family decoder layer, each fused into one pass, on CPU
+ * (float32). services/models/fused.py builds this file once per machine (kvcache/native.py's
+ * builder) and calls it through ctypes. Unfused, each step is 2 to 14 torch calls, each a pass
+ * over the activations and a dispatch: at decode sizes the dispatches cost more than the sums.
+ *
+ *   rms_norm      out = w * (x / sqrt(mean(x^2) + eps)), row by row
+ *   add_rms_norm  h += delta, then out = rms_norm(h)   (the residual add before each norm)
+ *   silu_mul      out = silu(g) * u                    (the MLP's activation)
+ *   rope          x = x * cos + rotate_half(x) * sin, in place, for `heads` heads of each row
+ *
+ * Inputs may be row-strided (views into a product holding sibling projections); within a row
+ * elements are contiguous; `out` and `h` are contiguous. With AVX-512 the sums and exp are
+ * vectorized; elsewhere plain loops. Rows split over OpenMP threads only where a step is big
+ * enough to pay for waking them (prompt chunks, not decode steps).
+ */
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static float sum_squares(const float *x, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; ++i) total += x[i] * x[i];
+    return total;
+}
+
+static void scale_row(const float *x, const float *w, float r, float *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+void rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out,
+              int64_t out_stride, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * x_stride;
+        float inv = 1.0f / sqrtf(sum_squares(xr, n) / (float)n + eps);
+        scale_row(xr, w, inv, out + r * out_stride, n);
+    }
+}
+
+void add_rms_norm(float *h, const float *delta, int64_t delta_stride, const float *w, float eps,
+                  float *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *hr = h + r * n;
+        const float *dr = delta + r * delta_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) hr[i] += dr[i];
+        float inv = 1.0f / sqrtf(sum_squares(hr, n) / (float)n + eps);
+        scale_row(hr, w, inv, out + r * n, n);
+    }
+}
+
+#ifdef __AVX512F__
+/* e^x, Cephes' expf polynomial scaled by 2^n (as kvcache/paged_attention.c), for any x */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+void silu_mul(const float *gate, int64_t g_stride, const float *up, int64_t u_stride, float *out,
+              int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate + r * g_stride, *u = up + r * u_stride;
+        float *o = out + r * n;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= n; i += 16) {
+            __m512 gv = _mm512_loadu_ps(g + i);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < n; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* cos and sin [rows, dim] (both halves equal, as HF builds them); x rows `x_stride` apart, each
+ * `heads` heads of `dim` */
+void rope(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t rows,
+          int64_t heads, int64_t dim, int num_threads) {
+    int64_t half = dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * dim > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *a = x + r * x_stride + h * dim, *b = a + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[half + i] + x1 * s[half + i];
+            }
+        }
+    }
+}
