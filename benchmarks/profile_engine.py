@@ -113,7 +113,8 @@ def instrument(llm: LLM) -> Phases:
     phases.wrap(engine, "_step", "step (engine bookkeeping)")
     phases.wrap(engine.scheduler, "schedule", "scheduling")
     phases.wrap(model_runner, "build_paged_batch", "batch metadata")
-    phases.wrap(engine.runner.model, "forward", "model forward (rest)")
+    forward = "fused" if engine.runner.fused is not None else "_transformers_forward"
+    phases.wrap(engine.runner, forward, "model forward (rest)")
     phases.wrap(attention, "paged_attention_forward", "attention")  # registered again, wrapped
     AttentionInterface.register(attention.ATTN_IMPLEMENTATION, attention.paged_attention_forward)
     phases.wrap(isolation, "sample", "sampling")

@@ -6,7 +6,7 @@ keyword plumbing. At decode sizes each call costs more in dispatch than in arith
 SmolLM2-135M (30 layers) a one-token step spent ~20 ms of ~55 ms outside the matrix products.
 This forward walks the same modules (their weights, the packed linears, the rotary embedding,
 the paged attention function) with each step in one call: `fused_ops.c` on CPU in float32
-(residual add and norm in one pass, RoPE in place, SiLU times up), the same torch calls as
+(residual add and norm in one pass, RoPE, SiLU times up), the same torch calls as
 transformers elsewhere (CUDA, other dtypes, no C compiler), which keeps only the lighter walk.
 
 It serves the architectures whose decoder layer is Llama's (`ARCHITECTURES`) and only where
@@ -53,11 +53,12 @@ class TorchSteps:
         return h, norm.weight * x.to(h.dtype)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x `[T, heads * D]`, cos and sin `[T, D]`: the rotated heads `[T, heads, D]`."""
-        x = x.view(x.shape[0], -1, cos.shape[-1])
+        """x `[T, heads * D]`, cos and sin `[T, D]`: the rotated heads, head-major `[heads, T, D]`
+        (the layout transformers hands attention, which prompt chunks read fastest)."""
+        x = x.view(x.shape[0], -1, cos.shape[-1]).transpose(0, 1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x * cos[:, None]) + (rotated * sin[:, None])
+        return (x * cos) + (rotated * sin)
 
     def silu_mul(self, act: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return act(gate) * up
@@ -70,7 +71,7 @@ class CSteps(TorchSteps):
         lib.rms_norm.argtypes = [_PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _I64, _INT]
         lib.add_rms_norm.argtypes = [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _INT]
         lib.silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT]
-        lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _INT]
+        lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
         self.lib = lib
 
     def add_rms_norm(
@@ -93,13 +94,14 @@ class CSteps(TorchSteps):
         return h, out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        _check_rows(x)  # rotated in place: x is a projection's fresh output
-        dim = cos.shape[-1]
+        _check_rows(x)
+        rows, dim = x.shape[0], cos.shape[-1]
+        out = x.new_empty(x.shape[1] // dim, rows, dim)
         self.lib.rope(
-            x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0],
-            x.shape[1] // dim, dim, torch.get_num_threads(),
+            x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows,
+            out.shape[0], dim, torch.get_num_threads(),
         )  # fmt: skip
-        return x.view(x.shape[0], -1, dim)
+        return out
 
     def silu_mul(self, act: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _check_rows(gate)
@@ -138,13 +140,10 @@ class FusedForward:
         h, x = steps.add_rms_norm(h, None, layers[0].input_layernorm)
         for i, layer in enumerate(layers):
             a, mlp = layer.self_attn, layer.mlp
-            q = steps.rope(a.q_proj(x), cos, sin)  # [T, H, D]
+            q = steps.rope(a.q_proj(x), cos, sin)  # [H, T, D]
             k = steps.rope(a.k_proj(x), cos, sin)
-            v = a.v_proj(x).view(x.shape[0], -1, a.head_dim)
-            o, _ = attend(
-                a, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                None, dropout=0.0, scaling=a.scaling,
-            )  # fmt: skip
+            v = a.v_proj(x).view(x.shape[0], -1, a.head_dim).transpose(0, 1)
+            o, _ = attend(a, q[None], k[None], v[None], None, dropout=0.0, scaling=a.scaling)
             h, x = steps.add_rms_norm(h, a.o_proj(o[0].flatten(1)), layer.post_attention_layernorm)
             down = mlp.down_proj(steps.silu_mul(mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x)))
             after = layers[i + 1].input_layernorm if i + 1 < len(layers) else inner.norm

@@ -6,7 +6,7 @@
  *   rms_norm      out = w * (x / sqrt(mean(x^2) + eps)), row by row
  *   add_rms_norm  h += delta, then out = rms_norm(h)   (the residual add before each norm)
  *   silu_mul      out = silu(g) * u                    (the MLP's activation)
- *   rope          x = x * cos + rotate_half(x) * sin, in place, for `heads` heads of each row
+ *   rope          x * cos + rotate_half(x) * sin for `heads` heads of each row, head-major
  *
  * Inputs may be row-strided (views into a product holding sibling projections); within a row
  * elements are contiguous; `out` and `h` are contiguous. With AVX-512 the sums and exp are
@@ -101,21 +101,22 @@ void silu_mul(const float *gate, int64_t g_stride, const float *up, int64_t u_st
     }
 }
 
-/* cos and sin [rows, dim] (both halves equal, as HF builds them); x rows `x_stride` apart, each
- * `heads` heads of `dim` */
-void rope(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t rows,
-          int64_t heads, int64_t dim, int num_threads) {
+/* cos and sin [rows, dim] (both halves equal, as transformers builds them); x rows `x_stride`
+ * apart, each `heads` heads of `dim`; out [heads, rows, dim] contiguous (the layout attention
+ * reads) */
+void rope(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out,
+          int64_t rows, int64_t heads, int64_t dim, int num_threads) {
     int64_t half = dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (rows * heads * dim > 32768)
     for (int64_t r = 0; r < rows; ++r) {
         const float *c = cos + r * dim, *s = sin + r * dim;
         for (int64_t h = 0; h < heads; ++h) {
-            float *a = x + r * x_stride + h * dim, *b = a + half;
+            const float *a = x + r * x_stride + h * dim, *b = a + half;
+            float *oa = out + (h * rows + r) * dim, *ob = oa + half;
 #pragma omp simd
             for (int64_t i = 0; i < half; ++i) {
-                float x1 = a[i], x2 = b[i];
-                a[i] = x1 * c[i] - x2 * s[i];
-                b[i] = x2 * c[half + i] + x1 * s[half + i];
+                oa[i] = a[i] * c[i] - b[i] * s[i];
+                ob[i] = b[i] * c[half + i] + a[i] * s[half + i];
             }
         }
     }
