@@ -134,6 +134,7 @@ def main() -> None:
             device=args.device,
             kv_cache_memory=device_pages * layout.bytes_per_page,
             kv_tier_pages=host_pages,
+            kv_tier_tenant_pages=host_pages,  # one tenant here: the whole tier is its
             grammar_workers=0,
         )
         for _ in mults
