@@ -58,12 +58,14 @@ class HostRead:
     slots: torch.Tensor  # [M] their host slots (kept on the host: the copy is issued from there)
     resident: torch.Tensor  # [N] the other entries, read from the pool (only those)
     pages: torch.Tensor  # [N] their pool pages
+    ids: torch.Tensor  # [M + N] the page index as it was: parked entries name `num_pages + slot`
 
     def to(self, device: torch.device) -> HostRead:
-        positions, resident, pages = (
-            t.to(device, non_blocking=True) for t in (self.positions, self.resident, self.pages)
+        positions, resident, pages, ids = (
+            t.to(device, non_blocking=True)
+            for t in (self.positions, self.resident, self.pages, self.ids)
         )
-        return HostRead(positions, self.slots, resident, pages)
+        return HostRead(positions, self.slots, resident, pages, ids)
 
 
 @dataclass
@@ -94,11 +96,12 @@ class ShortQueries:
     num_queries: torch.Tensor | None = None
 
     def in_place(self, kv: PagedKVCache) -> bool:
-        """Whether the kernel reads this group's pages where they lie (dense rows, all resident)."""
+        """Whether the kernel reads this group's pages where they lie (rows reading every page:
+        pool pages, and parked pages in the host tier's arena, which on the kernel's CPU is
+        memory it reads like the pool)."""
         return (
             kv.kernel is not None
             and self.collect is None
-            and self.host is None
             and self.starts is not None
             and kv.keys.dtype == torch.float32
         )
@@ -290,12 +293,17 @@ def _kernel_attention(
     assert s.offsets is not None and s.num_queries is not None
     rows = s.starts.shape[0]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    table, host = s.page_index, None
+    if s.host is not None:  # parked pages: read from the host tier's arena where they lie
+        assert kv.host is not None
+        table, host = s.host.ids, kv.host.layer(layer)
+        kv.host.count_read(s.host.positions.numel() * kv.layout.num_kv_heads)
     kv.kernel.short(
         q,
         out,
         kv.keys[layer],
         kv.values[layer],
-        s.page_index.view(rows, -1),
+        table.view(rows, -1),
         s.starts,
         s.num_queries,
         s.offsets,
@@ -303,6 +311,7 @@ def _kernel_attention(
         scale,
         variant.window,
         variant.softcap,
+        host,
     )
 
 

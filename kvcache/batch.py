@@ -115,7 +115,7 @@ def _host_read(page_index: torch.Tensor, num_pages: int) -> HostRead | None:
         return None
     is_parked = flat >= num_pages
     parked, resident = is_parked.nonzero().squeeze(-1), (~is_parked).nonzero().squeeze(-1)
-    read = HostRead(parked, flat[parked] - num_pages, resident, flat[resident])
+    read = HostRead(parked, flat[parked] - num_pages, resident, flat[resident], flat.clone())
     flat[parked] = 0
     return read
 

@@ -165,9 +165,19 @@ class HostPageStore(HostSlots):
         self._read_ms.append(elapsed * 1e3)
         if self.on_read is not None:
             self.on_read(elapsed)
-        self.cells_recalled += n
-        self.bytes_to_device += n * lay.bytes_per_page // (lay.num_layers * lay.num_kv_heads)
+        self.count_read(n)
         return out[0], out[1]
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer of the arena, `[KVH, capacity * ps, D]`: what a CPU
+        kernel reads parked pages from in place (`kvcache.native`)."""
+        return self.keys[layer], self.values[layer]
+
+    def count_read(self, cells: int) -> None:
+        """`cells` read from the tier (copied, or read in place by a kernel)."""
+        lay = self.layout
+        self.cells_recalled += cells
+        self.bytes_to_device += cells * lay.bytes_per_page // (lay.num_layers * lay.num_kv_heads)
 
     def _read_cells_cuda(
         self, flats: list[torch.Tensor], cells: torch.Tensor

@@ -40,7 +40,8 @@ class PagedKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.paged_attention_short
         fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
+        fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
+        fn.argtypes += [_PTR, _I64]
         fn.argtypes += [_I64, _I64, _I64, _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int]
         self._fn = fn
 
@@ -58,15 +59,22 @@ class PagedKernel:
         scale: float,
         window: int | None,
         softcap: float | None,
+        host: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """`host`: the host tier's keys and values of this layer `[KVH, host_slots, D]`, where
+        page ids from `k_cache`'s page count on are read (parked pages, in place)."""
         rows, max_pages = page_table.shape
         kv_heads, slots, dim = k_cache.shape
+        k_host, v_host = host if host is not None else (None, None)
         status = self._fn(
             q.data_ptr(),
             out.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             slots,
+            k_host.data_ptr() if k_host is not None else None,
+            v_host.data_ptr() if v_host is not None else None,
+            k_host.shape[1] if k_host is not None else 0,
             page_table.data_ptr(),
             max_pages,
             starts.data_ptr(),

@@ -9,7 +9,9 @@
  * as SDPA up to their order and the last bits of exp.
  *
  * Layouts (float32, contiguous): q and out [T, H, D] (packed tokens); k_cache and v_cache
- * [KVH, slots, D] (slot = page * page_size + offset); page_table [R, max_pages].
+ * [KVH, slots, D] (slot = page * page_size + offset); page_table [R, max_pages]. Page ids from
+ * `num_pages` on name parked pages, read in place from the host tier's arena of this layer,
+ * k_host and v_host [KVH, host_slots, D] (page id - num_pages is the host page).
  * Query j of row r is packed token offsets[r] + j and sees cache entries 0 .. starts[r] + j,
  * the last `window` of them when window > 0; softcap > 0 passes scores through
  * tanh(s / cap) * cap (Gemma 2).
@@ -111,17 +113,29 @@ static void softmax_rows(float *scores, int64_t group, int64_t n) {
     }
 }
 
+/* Where one KV head's pages lie: the pool, and the host arena for parked ids. */
+typedef struct {
+    const float *pool, *host;
+    int64_t num_pages, page_size, dim;
+} Pages;
+
+static inline const float *entry(const Pages *p, int64_t page, int64_t offset) {
+    const float *base = page < p->num_pages ? p->pool + page * p->page_size * p->dim
+                                            : p->host + (page - p->num_pages) * p->page_size * p->dim;
+    return base + offset * p->dim;
+}
+
 /* Query j of a row, for the `group` query heads sharing one KV head. */
-static void one_query(const float *q, float *out, const float *kh, const float *vh,
+static void one_query(const float *q, float *out, const Pages *kp, const Pages *vp,
                       const int64_t *pages, int64_t first, int64_t seen, int64_t group,
-                      int64_t dim, int64_t page_size, float scale, float softcap, float *scores) {
-    int64_t n = seen - first;
+                      float scale, float softcap, float *scores) {
+    int64_t n = seen - first, dim = kp->dim, page_size = kp->page_size;
     /* runs of keys inside one page, at most BLOCK long: no division per key */
     for (int64_t i = first; i < seen;) {
         int64_t in_page = (i / page_size + 1) * page_size;
         int64_t end = in_page < seen ? in_page : seen;
         end = end - i > BLOCK ? i + BLOCK : end;
-        const float *k = kh + (pages[i / page_size] * page_size + i % page_size) * dim;
+        const float *k = entry(kp, pages[i / page_size], i % page_size);
         for (int64_t g = 0; g < group; ++g) {
             float *s = scores + g * n + i - first;
             dots(q + g * dim, k, end - i, dim, s);
@@ -137,7 +151,7 @@ static void one_query(const float *q, float *out, const float *kh, const float *
     for (int64_t i = first; i < seen;) {
         int64_t end = (i / page_size + 1) * page_size;
         end = end < seen ? end : seen;
-        const float *v = vh + (pages[i / page_size] * page_size + i % page_size) * dim;
+        const float *v = entry(vp, pages[i / page_size], i % page_size);
         for (; i < end; ++i, v += dim) {
             for (int64_t g = 0; g < group; ++g) {
                 float p = scores[g * n + i - first], *o = out + g * dim;
@@ -150,7 +164,8 @@ static void one_query(const float *q, float *out, const float *kh, const float *
 
 /* Returns 0, or -1 when a scores buffer could not be allocated (nothing is then trusted). */
 int paged_attention_short(const float *q, float *out, const float *k_cache,
-                          const float *v_cache, int64_t slots, const int64_t *page_table,
+                          const float *v_cache, int64_t slots, const float *k_host,
+                          const float *v_host, int64_t host_slots, const int64_t *page_table,
                           int64_t max_pages, const int64_t *starts, const int64_t *num_queries,
                           const int64_t *offsets, int64_t rows, int64_t heads, int64_t kv_heads,
                           int64_t dim, int64_t page_size, float scale, int64_t window,
@@ -170,14 +185,16 @@ int paged_attention_short(const float *q, float *out, const float *k_cache,
             continue;
         }
         const int64_t *pages = page_table + r * max_pages;
-        const float *kh = k_cache + kvh * slots * dim;
-        const float *vh = v_cache + kvh * slots * dim;
+        int64_t num_pages = slots / page_size;
+        Pages kp = {k_cache + kvh * slots * dim, k_host ? k_host + kvh * host_slots * dim : 0,
+                    num_pages, page_size, dim};
+        Pages vp = {v_cache + kvh * slots * dim, v_host ? v_host + kvh * host_slots * dim : 0,
+                    num_pages, page_size, dim};
         for (int64_t j = 0; j < num_queries[r]; ++j) {
             int64_t seen = starts[r] + j + 1;
             int64_t first = (window > 0 && seen > window) ? seen - window : 0;
             int64_t at = ((offsets[r] + j) * heads + kvh * group + part * per) * dim; /* [T,H,D] */
-            one_query(q + at, out + at, kh, vh, pages, first, seen, per, dim, page_size, scale,
-                      softcap, scores);
+            one_query(q + at, out + at, &kp, &vp, pages, first, seen, per, scale, softcap, scores);
         }
         free(scores);
     }

@@ -125,6 +125,14 @@ class HostPages(Protocol):
         `cells` (a CPU index): `head * capacity_pages + slot`, one KV head of one parked page."""
         ...
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values `[KVH, capacity_pages * ps, D]`, where they lie."""
+        ...
+
+    def count_read(self, cells: int) -> None:
+        """Counts `cells` read in place (as `read_cells` counts what it copies)."""
+        ...
+
 
 class PagedKVCache:
     """Keys and values of every layer, `[num_layers, kv_heads, num_slots, head_dim]` each.

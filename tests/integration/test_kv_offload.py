@@ -219,3 +219,30 @@ def test_preempted_offloaded_requests_recompute_to_the_same_tokens(tiered, roomy
     dense = roomy.generate(long, greedy(None, 60))[0]
     assert [o.token_ids for o in outs] == [resident.token_ids] * 2 + [dense.token_ids]
     assert empty(tiered)
+
+
+def test_dense_layers_read_parked_pages_in_place_as_the_gather_does(loaded_model, roomy):
+    """On CPU the kernel reads the dense layers' parked pages from the host tier's arena where
+    they lie; its plain twin (`inplace_attention=False`) copies them out and runs SDPA. Both
+    give the all-resident tokens and count the same cells read from the tier."""
+    ids = prompt(roomy, 480)
+    quest = KVPolicy(kind="quest", budget_tokens=32, dense_layers=3)
+    resident = roomy.generate(ids, greedy(quest))[0]
+    cells = {}
+    for in_place in (True, False):
+        llm = LLM(
+            loaded=loaded_model,
+            kv_cache_memory=40 * PAGE_BYTES,
+            kv_tier_pages=200,
+            grammar_workers=0,
+            inplace_attention=in_place,
+        )
+        assert (llm.engine.runner.kv.kernel is not None) == in_place
+        out = llm.generate(ids, greedy(replace(quest, offload=True)))[0]
+        assert out.finish_reason == "length", out.warnings
+        assert out.token_ids == resident.token_ids
+        tier = llm.engine.kv_tier
+        assert tier is not None and tier.cells_recalled > 0
+        cells[in_place] = tier.cells_recalled
+        assert empty(llm)
+    assert cells[True] == cells[False]
