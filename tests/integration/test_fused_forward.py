@@ -139,3 +139,16 @@ def test_a_model_with_sliding_windows_keeps_the_transformers_forward(tmp_path, l
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     assert LLM(str(tmp_path), kv_cache_memory=4 << 20).engine.runner.fused is None
+
+
+def test_a_lean_forward_that_fails_at_load_leaves_the_transformers_forward(folders, monkeypatch):
+    def broken(self, *args):
+        raise AttributeError("a module of another shape")
+
+    monkeypatch.setattr(fused.FusedForward, "__call__", broken)
+    llm = LLM(str(folders["LlamaConfig"]), kv_cache_memory=4 << 20, grammar_workers=0)
+    assert llm.engine.runner.fused is None
+    out = llm.generate(
+        [[5, 900, 17]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
