@@ -29,6 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
+HEADERS = (Path(__file__).with_name("simd_exp.h"),)  # included by every source built here
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -110,7 +111,7 @@ def _build(compiler: str, source: Path, out: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, f"-I{HEADERS[0].parent}", str(source), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -131,8 +132,10 @@ def library(source: Path, build_dir: Path) -> ctypes.CDLL | None:
         return None
     try:
         key = hashlib.sha256()
-        for part in (source.read_bytes(), " ".join(FLAGS).encode(), _cpu_features().encode()):
+        sources = (source, *HEADERS)
+        for part in (*(f.read_bytes() for f in sources), " ".join(FLAGS).encode()):
             key.update(part)
+        key.update(_cpu_features().encode())
         path = build_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
         if not path.is_file():
             _build(compiler, source, path)

@@ -25,6 +25,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "simd_exp.h" /* exp16 */
 
 #define BLOCK 16 /* keys scored together */
 
@@ -67,23 +68,6 @@ static void dots(const float *q, const float *k, int64_t n, int64_t dim, float *
                               _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
     __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), r);
-}
-
-/* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial, scaled by 2^n. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 #else
 #define dots dots_plain

@@ -12,9 +12,9 @@ transformers elsewhere (CUDA, other dtypes, no C compiler), which keeps only the
 It serves the architectures whose decoder layer is Llama's (`ARCHITECTURES`) and only where
 every layer's attention is plain (no sliding window, no soft cap); anything else keeps
 transformers' forward. At load a few tokens go through both forwards and must agree
-(`matches`), or the plain one is kept. `EngineConfig.fused_forward=False` is the plain twin; the
-fused steps round differently in the last bits (another summation order, another exp), so the
-twins are compared on whole greedy outputs.
+(`ModelRunner._agrees`), or the plain one is kept. `EngineConfig.fused_forward=False` is the
+plain twin; the fused steps round differently in the last bits (another summation order,
+another exp), so the twins are compared on whole greedy outputs.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class CSteps(TorchSteps):
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, norm: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not h.is_contiguous():  # the C steps write it row after row
+            raise ValueError("fused step: the residual stream must be contiguous")
         rows, width = h.shape
         out = torch.empty_like(h)
         eps, threads = norm.variance_epsilon, torch.get_num_threads()

@@ -18,6 +18,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "simd_exp.h" /* kvcache/: exp16 */
 
 static float sum_squares(const float *x, int64_t n) {
     int64_t i = 0;
@@ -62,24 +63,6 @@ void add_rms_norm(float *h, const float *delta, int64_t delta_stride, const floa
     }
 }
 
-#ifdef __AVX512F__
-/* e^x, Cephes' expf polynomial scaled by 2^n (as kvcache/paged_attention.c), for any x */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 void silu_mul(const float *gate, int64_t g_stride, const float *up, int64_t u_stride, float *out,
               int64_t rows, int64_t n, int num_threads) {
