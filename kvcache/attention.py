@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +31,17 @@ from transformers import AttentionInterface
 
 from kvcache import variants
 from kvcache.collect import CollectRead, _collecting_attention, _observe
-from kvcache.hot_set import HotSet
+from kvcache.hot_set import (
+    CELLS,
+    FILL_FROM,
+    FILL_INTO,
+    HOST_CELLS,
+    LATE,
+    MISS_POS,
+    HotSet,
+    LayerRoute,
+    route_rows,
+)
 from kvcache.pages import PagedKVCache
 
 ATTN_IMPLEMENTATION = "structserve_paged"
@@ -396,38 +407,51 @@ def _quest_attention(
 def _quest_read_tiered(
     kv: PagedKVCache, layer: int, physical: torch.Tensor, hot: list[HotSet]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pages Quest chose `[R, KVH, k]`, some of them parked. Resident pages and hot-set hits are
-    read from the pool in one gather; misses from the host tier in one copy for this layer, which
-    also fills the hot set's cells. The ids go to the host (on CUDA the layer's one sync): the host
-    issues the copy and keeps the hot set's bookkeeping."""
+    """Pages Quest chose `[R, KVH, k]`, some of them parked: resident pages and hot-set hits
+    are read from the pool, misses from the host tier (and written into the hot-set cells that
+    keep them). The ids go to the host (on CUDA the layer's one sync): the host routes them
+    (`kvcache.hot_set`) and issues the copies. On CPU with the native hot set the copies are one
+    C pass (`Router.copy`); otherwise (its plain twin, and CUDA) tensor ops."""
     rows, kvh, k = physical.shape
     ps, dim, num_pages = kv.page_size, kv.layout.head_dim, kv.num_pages
     capacity = kv.host.capacity_pages if kv.host is not None else 0
-    ids = physical.tolist()
-    cells: list[int] = []
-    misses: list[int] = []
-    host_cells: list[int] = []
-    fills: list[tuple[int, int]] = []
-    for r, hot_set in enumerate(hot):
-        route = hot_set.route(layer, ids[r], num_pages, capacity)
-        fills += [(len(misses) + i, cell) for i, cell in route.fills]
-        misses += [len(cells) + pos for pos in route.misses]
-        host_cells += route.host_cells
-        cells += route.cells
+    route = route_rows(hot, layer, physical.cpu(), num_pages, capacity)
     pools = [c.view(kvh * num_pages, ps, dim) for c in (kv.keys[layer], kv.values[layer])]
-    index = torch.tensor(cells).to(kv.device, non_blocking=True)
-    out = [pool.index_select(0, index) for pool in pools]  # [R * KVH * k, ps, D]
-    if misses:
-        assert kv.host is not None
-        blocks = kv.host.read_cells(layer, torch.tensor(host_cells))
-        dst = torch.tensor(misses).to(kv.device, non_blocking=True)
-        kept = torch.tensor([i for i, _ in fills], dtype=torch.long).to(kv.device)
-        into = torch.tensor([cell for _, cell in fills], dtype=torch.long).to(kv.device)
-        for buf, pool, block in zip(out, pools, blocks, strict=True):
-            buf.index_copy_(0, dst, block)
-            pool.index_copy_(0, into, block.index_select(0, kept))  # into the hot set's cells
+    router = hot[0].router
+    if router is not None and kv.device.type == "cpu" and kv.host is not None:
+        out = [torch.empty((rows * kvh * k, ps, dim), dtype=kv.layout.dtype) for _ in pools]
+        host = [c.view(-1, ps, dim) for c in kv.host.layer(layer)]
+        start = time.perf_counter()
+        router.copy(route, (out[0], out[1]), (pools[0], pools[1]), (host[0], host[1]))
+        if misses := int(route.counts[0]):
+            kv.host.record_read(misses, time.perf_counter() - start)
+    else:
+        out = _copy_route(kv, layer, route, pools)
     shape = (rows, kvh, k * ps, dim)
     return out[0].view(shape), out[1].view(shape)
+
+
+def _copy_route(
+    kv: PagedKVCache, layer: int, route: LayerRoute, pools: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """`route`'s copies as tensor ops (any device): misses from the host tier into the cells
+    that keep them, one gather from the pool, the misses not kept copied in after it."""
+    misses, fills, late = route.counts.tolist()
+    index = route.rows.to(kv.device, non_blocking=True)  # one copy to the device for all rows
+    blocks: tuple[torch.Tensor, ...] = ()
+    if misses:
+        assert kv.host is not None
+        blocks = kv.host.read_cells(layer, route.rows[HOST_CELLS, :misses])
+        into = index[FILL_INTO, :fills]
+        for pool, block in zip(pools, blocks, strict=True):  # into the hot set's cells
+            pool.index_copy_(0, into, block if fills == misses else block[index[FILL_FROM, :fills]])
+    out = [pool.index_select(0, index[CELLS]) for pool in pools]  # [R * KVH * k, ps, D]
+    if late:
+        which = index[LATE, :late]
+        where = index[MISS_POS].index_select(0, which)
+        for buf, block in zip(out, blocks, strict=True):
+            buf.index_copy_(0, where, block.index_select(0, which))
+    return out
 
 
 def register() -> str:

@@ -161,12 +161,15 @@ class HostPageStore(HostSlots):
             out = self._read_cells_cuda(flats, cells)
         else:
             out = [flat.index_select(0, cells) for flat in flats]
-        elapsed = time.perf_counter() - start
-        self._read_ms.append(elapsed * 1e3)
-        if self.on_read is not None:
-            self.on_read(elapsed)
-        self.count_read(n)
+        self.record_read(n, time.perf_counter() - start)
         return out[0], out[1]
+
+    def record_read(self, cells: int, seconds: float) -> None:
+        """A read of `cells` that took `seconds` (here, or a CPU copy reading the arena)."""
+        self._read_ms.append(seconds * 1e3)
+        if self.on_read is not None:
+            self.on_read(seconds)
+        self.count_read(cells)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer of the arena, `[KVH, capacity * ps, D]`: what a CPU

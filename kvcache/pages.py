@@ -133,6 +133,10 @@ class HostPages(Protocol):
         """Counts `cells` read in place (as `read_cells` counts what it copies)."""
         ...
 
+    def record_read(self, cells: int, seconds: float) -> None:
+        """Counts `cells` copied out of `layer()` by another copy, and its time (a read)."""
+        ...
+
 
 class PagedKVCache:
     """Keys and values of every layer, `[num_layers, kv_heads, num_slots, head_dim]` each.

@@ -75,6 +75,9 @@ class EngineConfig:
     # (services/models/fused.py), checked against transformers' at load. False: the plain twin
     # (transformers' forward).
     fused_forward: bool = True
+    # The KV host tier's hot sets route each layer's Quest selection in C (kvcache/hot_set.c,
+    # built on first use). False, or no C compiler: the plain twin (the same LRU in Python).
+    native_hot_set: bool = True
     # Speculative decoding (services/engine/speculative.py), vLLM's keys: {"method": "ngram",
     # "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}. None: the
     # plain twin, one token per request per forward pass.

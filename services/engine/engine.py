@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from kvcache import hot_set
 from kvcache.host_tier import HostPageStore
 from kvcache.policies import new_state
+from services import settings
 from services.engine import admission, isolation
 from services.engine import logits as logits_processors
 from services.engine.admission import Prompt
@@ -91,7 +93,9 @@ class LLMEngine:
                 kv.device,
                 default_tenant_cap=config.tier_tenant_cap(),
             )
-            self.offload = OffloadManager(kv, self.kv_tier, self.scheduler)
+            kernels = settings.cache_dir() / "kernels"
+            router = hot_set.router(kernels) if config.native_hot_set else None
+            self.offload = OffloadManager(kv, self.kv_tier, self.scheduler, router)
             self.scheduler.on_release = self.offload.release
             self.scheduler.reclaim = self.offload.reclaim
         tier_pages = self.kv_tier.capacity_pages if self.kv_tier is not None else None

@@ -26,7 +26,7 @@ import torch
 
 from kvcache.host_slots import HostTierFull, Owner
 from kvcache.host_tier import HostPageStore
-from kvcache.hot_set import HotSet
+from kvcache.hot_set import DictHotSet, HotSet, NativeHotSet, Router
 from kvcache.pages import PagedKVCache, pages_needed
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
@@ -39,8 +39,15 @@ def owner(req: Request) -> Owner:
 
 
 class OffloadManager:
-    def __init__(self, kv: PagedKVCache, store: HostPageStore, scheduler: Scheduler) -> None:
-        self.kv, self.store, self.scheduler = kv, store, scheduler
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        store: HostPageStore,
+        scheduler: Scheduler,
+        router: Router | None = None,
+    ) -> None:
+        """`router`: hot sets routed in C (`kvcache/hot_set.c`); None: the plain twin."""
+        self.kv, self.store, self.scheduler, self.router = kv, store, scheduler, router
         self.active: dict[str, Request] = {}  # admitted offloaded requests, by request id
         kv.attach_host(store)
 
@@ -72,7 +79,10 @@ class OffloadManager:
             self.active.pop(req.request_id, None)
 
     def _empty_hot_set(self) -> HotSet:
-        return HotSet(self.kv.layout.num_layers, self.kv.layout.num_kv_heads)
+        layers, heads = self.kv.layout.num_layers, self.kv.layout.num_kv_heads
+        if self.router is None:
+            return DictHotSet(layers, heads)
+        return NativeHotSet(layers, heads, self.router)
 
     def _pages(self, req: Request) -> int:
         return pages_needed(req.num_prompt_tokens + req.params.max_tokens, self.kv.page_size)
@@ -83,8 +93,8 @@ class OffloadManager:
         state = req.kv_state
         assert state is not None and state.tier is not None
         hot: HotSet = state.tier
-        self.store.record_hits(hot.resident + hot.hits, hot.misses)
-        hot.resident = hot.hits = hot.misses = 0
+        resident, hits, misses = hot.take_counts()
+        self.store.record_hits(resident + hits, misses)
         alloc = self.scheduler.allocator
         room = alloc.num_free - len(self.active)  # a page for each offloaded request's next token
         grow = min(state.policy.hot_budget_pages - hot.ways, room)

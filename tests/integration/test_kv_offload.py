@@ -246,3 +246,33 @@ def test_dense_layers_read_parked_pages_in_place_as_the_gather_does(loaded_model
         cells[in_place] = tier.cells_recalled
         assert empty(llm)
     assert cells[True] == cells[False]
+
+
+def test_the_native_hot_set_routes_as_its_plain_twin(loaded_model, roomy):
+    """`native_hot_set=False` routes in Python (dicts), True in C: both give the all-resident
+    tokens with the same hits, misses and cells read, a hot set of one way (misses not kept)
+    and of the budget's pages."""
+    ids = prompt(roomy, 480)
+    quest = KVPolicy(kind="quest", budget_tokens=32)
+    resident = roomy.generate(ids, greedy(quest))[0]
+    counts = {}
+    for native in (True, False):
+        llm = LLM(
+            loaded=loaded_model,
+            kv_cache_memory=40 * PAGE_BYTES,
+            kv_tier_pages=200,
+            grammar_workers=0,
+            native_hot_set=native,
+        )
+        assert (llm.engine.offload is not None) and (
+            llm.engine.offload.router is not None
+        ) == native
+        params = [greedy(replace(quest, offload=True, hot_pages=h)) for h in (1, None)]
+        for out in llm.generate([ids, ids], params):
+            assert out.finish_reason == "length", out.warnings
+            assert out.token_ids == resident.token_ids
+        tier = llm.engine.kv_tier
+        assert tier is not None and tier.misses > 0 and tier.hits > 0
+        counts[native] = (tier.hits, tier.misses, tier.cells_recalled)
+        assert empty(llm)
+    assert counts[True] == counts[False]

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from kvcache.hot_set import HotSet
+import random
+
+import pytest
+
+from kvcache import hot_set
+from kvcache.hot_set import DictHotSet, HotSet, NativeHotSet
+from services import settings
 
 NUM_PAGES = 100  # ids from 100 name host slots
 CAPACITY = 50  # host slots per KV head
@@ -12,18 +18,37 @@ def parked(*slots: int) -> list[int]:
     return [NUM_PAGES + s for s in slots]
 
 
-def test_without_ways_every_parked_choice_is_a_miss_and_resident_pages_read_in_place():
-    hot = HotSet(num_layers=2, num_kv_heads=2)
+@pytest.fixture(scope="module")
+def router() -> hot_set.Router:
+    built = hot_set.router(settings.cache_dir() / "kernels")
+    assert built is not None, "no C compiler: the native hot set cannot be tested"
+    return built
+
+
+@pytest.fixture(params=["dict", "native"])
+def new(request, router):
+    """Makes a hot set of either implementation (the same LRU)."""
+
+    def make(num_layers: int, num_kv_heads: int) -> HotSet:
+        if request.param == "dict":
+            return DictHotSet(num_layers, num_kv_heads)
+        return NativeHotSet(num_layers, num_kv_heads, router)
+
+    return make
+
+
+def test_without_ways_every_parked_choice_is_a_miss_and_resident_pages_read_in_place(new):
+    hot = new(num_layers=2, num_kv_heads=2)
     route = hot.route(0, [[7, *parked(3, 4)], [8, *parked(5, 6)]], NUM_PAGES, CAPACITY)
     assert route.cells[0] == 7 and route.cells[3] == NUM_PAGES + 8  # head 1's rows of the pool
     assert route.misses == [1, 2, 4, 5]
     assert route.host_cells == [3, 4, CAPACITY + 5, CAPACITY + 6]
     assert route.fills == []
-    assert (hot.resident, hot.hits, hot.misses) == (2, 0, 4)
+    assert hot.take_counts() == (2, 0, 4)
 
 
-def test_misses_fill_ways_and_the_next_step_reads_them_from_the_pool():
-    hot = HotSet(num_layers=1, num_kv_heads=2)
+def test_misses_fill_ways_and_the_next_step_reads_them_from_the_pool(new):
+    hot = new(num_layers=1, num_kv_heads=2)
     hot.grow([50, 51])
     first = hot.route(0, [parked(3, 4), parked(5, 6)], NUM_PAGES, CAPACITY)
     assert first.misses == [0, 1, 2, 3]
@@ -36,11 +61,11 @@ def test_misses_fill_ways_and_the_next_step_reads_them_from_the_pool():
     assert second.cells[0] == cells[1]  # slot 4 read from the cell it filled
     assert second.cells[2:] == [cells[2], cells[3]]
     assert dict(second.fills) == {0: cells[0]}  # slot 9 evicts slot 3, not slot 4 (hit now)
-    assert hot.cached(0, 0) == [4, 9] and (hot.hits, hot.misses) == (3, 5)
+    assert hot.cached(0, 0) == [4, 9] and hot.take_counts()[1:] == (3, 5)
 
 
-def test_the_least_recently_used_way_goes_first():
-    hot = HotSet(num_layers=1, num_kv_heads=1)
+def test_the_least_recently_used_way_goes_first(new):
+    hot = new(num_layers=1, num_kv_heads=1)
     hot.grow([60, 61, 62])
     for slot in (1, 2, 3, 1):  # slot 1 used again: slot 2 is now the oldest
         hot.route(0, [parked(slot)], NUM_PAGES, CAPACITY)
@@ -49,8 +74,8 @@ def test_the_least_recently_used_way_goes_first():
     assert hot.cached(0, 0) == [3, 1, 8]
 
 
-def test_more_misses_than_free_ways_keep_the_ways_hit_this_step():
-    hot = HotSet(num_layers=1, num_kv_heads=1)
+def test_more_misses_than_free_ways_keep_the_ways_hit_this_step(new):
+    hot = new(num_layers=1, num_kv_heads=1)
     hot.grow([70, 71])
     hot.route(0, [parked(1)], NUM_PAGES, CAPACITY)
     route = hot.route(0, [parked(1, 2, 3)], NUM_PAGES, CAPACITY)
@@ -59,8 +84,8 @@ def test_more_misses_than_free_ways_keep_the_ways_hit_this_step():
     assert hot.cached(0, 0) == [1, 2]
 
 
-def test_layers_are_independent_and_shrink_forgets_ways():
-    hot = HotSet(num_layers=2, num_kv_heads=1)
+def test_layers_are_independent_and_shrink_forgets_ways(new):
+    hot = new(num_layers=2, num_kv_heads=1)
     hot.grow([80, 81])
     hot.route(0, [parked(5)], NUM_PAGES, CAPACITY)
     assert hot.route(1, [parked(5)], NUM_PAGES, CAPACITY).misses == [0]  # layer 1 never saw it
@@ -69,3 +94,26 @@ def test_layers_are_independent_and_shrink_forgets_ways():
     assert hot.shrink(5) == [80] and hot.ways == 0
     assert hot.route(0, [parked(5)], NUM_PAGES, CAPACITY).misses == [0]
     assert hot.cached(0, 0) == [] and hot.cached(1, 0) == []
+
+
+def test_the_native_lru_routes_exactly_as_its_plain_twin(router):
+    """Random selections with resident pages, hits, misses, more misses than ways, growing and
+    shrinking: every route, every cache content and every count equal."""
+    rng = random.Random(7)
+    plain, fast = DictHotSet(3, 2), NativeHotSet(3, 2, router)
+    for step in range(300):
+        if step % 40 == 10:
+            pages = [200 + 2 * step, 201 + 2 * step]
+            plain.grow(pages)
+            fast.grow(pages)
+        if step % 70 == 69:
+            assert plain.shrink(3) == fast.shrink(3)
+        layer = rng.randrange(3)
+        ids = [sorted(rng.sample(range(NUM_PAGES - 5, NUM_PAGES + 14), 6)) for _ in range(2)]
+        assert plain.route(layer, ids, NUM_PAGES, CAPACITY) == fast.route(
+            layer, ids, NUM_PAGES, CAPACITY
+        )
+        for head in range(2):
+            assert plain.cached(layer, head) == fast.cached(layer, head)
+    assert plain.take_counts() == fast.take_counts()
+    assert plain.ways == fast.ways
