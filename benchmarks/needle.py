@@ -14,7 +14,8 @@ Protocols:
 Every config of a haystack runs in one batch (the prompt is prefilled once for the policies that
 share pages: dense and Quest). `read` is the share of the context a decode step reads, averaged
 over layers (Quest: every page in its `dense_layers`, its budget in the others; evicting
-policies: what they keep).
+policies: what they keep); the second share counts bytes, adding the key bounds Quest scores
+every page with (1 / `quest_bound_tokens` of the KV in each selecting layer).
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def read_share(kv: KVPolicy | None, ctx: int, layers: int) -> float:
         return budget / ctx
     dense = min(kv.dense_layers, layers)
     return (dense * ctx + (layers - dense) * budget) / (layers * ctx)
+
+
+def bytes_share(kv: KVPolicy | None, ctx: int, layers: int, bound_tokens: int) -> float:
+    """`read_share` in bytes, counting what Quest scores pages with: in each selecting layer the
+    key min and max of every `bound_tokens` tokens (two vectors, as keys and values are two per
+    token), so 1 / bound_tokens of the context's KV bytes on top of the pages it reads."""
+    share = read_share(kv, ctx, layers)
+    if kv is None or kv.kind != "quest":
+        return share
+    selecting = layers - min(kv.dense_layers, layers)
+    return share + selecting / layers / bound_tokens
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -145,16 +157,20 @@ def needle_section(
     protocols: list[str],
     configs: list[str],
 ) -> dict:
-    """found[protocol][config][ctx] = [bool per haystack]; read[config][ctx] = share read."""
+    """found[protocol][config][ctx] = [bool per haystack]; read[config][ctx] = share read;
+    bytes[config][ctx] = share of the KV bytes read, with Quest's bounds."""
     engine = llm.engine
     ps = engine.config.page_size
+    bound_tokens = engine.config.quest_bound_tokens or ps
     layers = int(engine.runner.model.config.num_hidden_layers)
     found: dict[str, dict[str, dict[int, list[bool]]]] = {}
     read: dict[str, dict[int, float]] = {}
+    read_bytes: dict[str, dict[int, float]] = {}
     for ctx in contexts:
         kvs = [parse_config(name, ctx, ps) for name in configs]
         for name, kv in zip(configs, kvs, strict=True):
             read.setdefault(name, {})[ctx] = read_share(kv, ctx, layers)
+            read_bytes.setdefault(name, {})[ctx] = bytes_share(kv, ctx, layers, bound_tokens)
         for depth in depths:
             for seed in range(seeds):
                 rng = random.Random(f"{ctx}/{depth}/{seed}")
@@ -173,28 +189,32 @@ def needle_section(
                         f"{len(configs)} found {key} in {time.perf_counter() - t0:.0f} s",
                         flush=True,
                     )
-    return {"found": found, "read": read}
+    return {"found": found, "read": read, "bytes": read_bytes}
 
 
 def print_table(needle: dict, contexts: list[int]) -> dict:
     """Accuracy (%) with its interval per protocol, config and context; returns it as JSON."""
     table: dict[str, Any] = {}
     for protocol, rows in needle["found"].items():
-        print(f"\npasskey found, protocol '{protocol}': % [95% interval] (share read)")
-        print("config".ljust(18) + "".join(f"{c:>24}" for c in contexts))
+        print(
+            f"\npasskey found, protocol '{protocol}': % [95% interval] "
+            "(share of the context read / of its KV bytes, with Quest's bounds)"
+        )
+        print("config".ljust(18) + "".join(f"{c:>29}" for c in contexts))
         for name, cells in rows.items():
             line = name.ljust(18)
             for ctx in contexts:
                 hits, n = sum(cells[ctx]), len(cells[ctx])
                 lo, hi = wilson(hits, n)
                 pct = 100 * hits / n
-                share = needle["read"][name][ctx]
-                line += f"{pct:6.0f} [{lo:3.0f}-{hi:3.0f}] ({share:4.2f})".rjust(24)
+                share, nbytes = needle["read"][name][ctx], needle["bytes"][name][ctx]
+                line += f"{pct:6.0f} [{lo:3.0f}-{hi:3.0f}] ({share:4.2f} / {nbytes:4.2f})".rjust(29)
                 table.setdefault(protocol, {}).setdefault(name, {})[ctx] = {
                     "accuracy": pct,
                     "interval": [lo, hi],
                     "haystacks": n,
                     "read_share": share,
+                    "bytes_share": nbytes,
                 }
             print(line)
     return table

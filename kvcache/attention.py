@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,18 +30,9 @@ from transformers import AttentionInterface
 
 from kvcache import variants
 from kvcache.collect import CollectRead, _collecting_attention, _observe
-from kvcache.hot_set import (
-    CELLS,
-    FILL_FROM,
-    FILL_INTO,
-    HOST_CELLS,
-    LATE,
-    MISS_POS,
-    HotSet,
-    LayerRoute,
-    route_rows,
-)
+from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache
+from kvcache.tier_read import read_tiered
 
 ATTN_IMPLEMENTATION = "structserve_paged"
 
@@ -389,7 +379,7 @@ def _quest_attention(
     chosen = score.topk(quest.k, dim=-1).indices.sort(dim=-1).values  # [R, KVH, k] in order
     physical = table.gather(1, chosen.flatten(1)).view(rows, kvh, quest.k)
     if quest.hot is not None:
-        keys, values = _quest_read_tiered(kv, layer, physical, quest.hot)
+        keys, values = read_tiered(kv, layer, physical, quest.hot)
     else:
         heads_first = torch.arange(kvh, device=table.device)[None, :, None] * num_pages
         flat = (heads_first + physical).flatten()
@@ -402,56 +392,6 @@ def _quest_attention(
     return F.scaled_dot_product_attention(
         qs, keys, values, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh
     )
-
-
-def _quest_read_tiered(
-    kv: PagedKVCache, layer: int, physical: torch.Tensor, hot: list[HotSet]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pages Quest chose `[R, KVH, k]`, some of them parked: resident pages and hot-set hits
-    are read from the pool, misses from the host tier (and written into the hot-set cells that
-    keep them). The ids go to the host (on CUDA the layer's one sync): the host routes them
-    (`kvcache.hot_set`) and issues the copies. On CPU with the native hot set the copies are one
-    C pass (`Router.copy`); otherwise (its plain twin, and CUDA) tensor ops."""
-    rows, kvh, k = physical.shape
-    ps, dim, num_pages = kv.page_size, kv.layout.head_dim, kv.num_pages
-    capacity = kv.host.capacity_pages if kv.host is not None else 0
-    route = route_rows(hot, layer, physical.cpu(), num_pages, capacity)
-    pools = [c.view(kvh * num_pages, ps, dim) for c in (kv.keys[layer], kv.values[layer])]
-    router = hot[0].router
-    if router is not None and kv.device.type == "cpu" and kv.host is not None:
-        out = [torch.empty((rows * kvh * k, ps, dim), dtype=kv.layout.dtype) for _ in pools]
-        host = [c.view(-1, ps, dim) for c in kv.host.layer(layer)]
-        start = time.perf_counter()
-        router.copy(route, (out[0], out[1]), (pools[0], pools[1]), (host[0], host[1]))
-        if misses := int(route.counts[0]):
-            kv.host.record_read(misses, time.perf_counter() - start)
-    else:
-        out = _copy_route(kv, layer, route, pools)
-    shape = (rows, kvh, k * ps, dim)
-    return out[0].view(shape), out[1].view(shape)
-
-
-def _copy_route(
-    kv: PagedKVCache, layer: int, route: LayerRoute, pools: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """`route`'s copies as tensor ops (any device): misses from the host tier into the cells
-    that keep them, one gather from the pool, the misses not kept copied in after it."""
-    misses, fills, late = route.counts.tolist()
-    index = route.rows.to(kv.device, non_blocking=True)  # one copy to the device for all rows
-    blocks: tuple[torch.Tensor, ...] = ()
-    if misses:
-        assert kv.host is not None
-        blocks = kv.host.read_cells(layer, route.rows[HOST_CELLS, :misses])
-        into = index[FILL_INTO, :fills]
-        for pool, block in zip(pools, blocks, strict=True):  # into the hot set's cells
-            pool.index_copy_(0, into, block if fills == misses else block[index[FILL_FROM, :fills]])
-    out = [pool.index_select(0, index[CELLS]) for pool in pools]  # [R * KVH * k, ps, D]
-    if late:
-        which = index[LATE, :late]
-        where = index[MISS_POS].index_select(0, which)
-        for buf, block in zip(out, blocks, strict=True):
-            buf.index_copy_(0, where, block.index_select(0, which))
-    return out
 
 
 def register() -> str:

@@ -13,7 +13,7 @@ Bookkeeping lives on the host: a layer's selection comes to the host anyway (the
 read of the misses). `route_into` turns one layer's selection into where each chosen page is read
 from (a pool cell for resident pages, hits and the misses it keeps; the host tier for misses) and
 which ways the misses fill, as index rows of a `LayerRoute`; the attention function does the
-copies (`kvcache.attention._quest_read_tiered`). Two implementations of one LRU: `NativeHotSet`
+copies (`kvcache.tier_read.read_tiered`). Two implementations of one LRU: `NativeHotSet`
 (arrays, routed by `hot_set.c`: a layer in a few microseconds) and its plain twin `DictHotSet`
 (dicts, in Python: ~150 us a layer at 4k), which also serves where no C compiler is found.
 
