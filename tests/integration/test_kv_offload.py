@@ -49,6 +49,17 @@ def roomy(loaded_model) -> LLM:
     return LLM(loaded=loaded_model, kv_cache_memory=256 * PAGE_BYTES, grammar_workers=0)
 
 
+def small_tiered(loaded_model, **flags) -> LLM:
+    """A fresh engine like `tiered` (40 device pages, 200 host pages) with engine `flags`."""
+    return LLM(
+        loaded=loaded_model,
+        kv_cache_memory=40 * PAGE_BYTES,
+        kv_tier_pages=200,
+        grammar_workers=0,
+        **flags,
+    )
+
+
 def empty(llm: LLM) -> bool:
     tier = llm.engine.kv_tier
     return llm.engine.runner.kv.allocator.num_used == 0 and (tier is None or tier.pages_in_use == 0)
@@ -230,13 +241,7 @@ def test_dense_layers_read_parked_pages_in_place_as_the_gather_does(loaded_model
     resident = roomy.generate(ids, greedy(quest))[0]
     cells = {}
     for in_place in (True, False):
-        llm = LLM(
-            loaded=loaded_model,
-            kv_cache_memory=40 * PAGE_BYTES,
-            kv_tier_pages=200,
-            grammar_workers=0,
-            inplace_attention=in_place,
-        )
+        llm = small_tiered(loaded_model, inplace_attention=in_place)
         assert (llm.engine.runner.kv.kernel is not None) == in_place
         out = llm.generate(ids, greedy(replace(quest, offload=True)))[0]
         assert out.finish_reason == "length", out.warnings
@@ -257,13 +262,7 @@ def test_the_native_hot_set_routes_as_its_plain_twin(loaded_model, roomy):
     resident = roomy.generate(ids, greedy(quest))[0]
     counts = {}
     for native in (True, False):
-        llm = LLM(
-            loaded=loaded_model,
-            kv_cache_memory=40 * PAGE_BYTES,
-            kv_tier_pages=200,
-            grammar_workers=0,
-            native_hot_set=native,
-        )
+        llm = small_tiered(loaded_model, native_hot_set=native)
         assert (llm.engine.offload is not None) and (
             llm.engine.offload.router is not None
         ) == native
