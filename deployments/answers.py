@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from deployments import logprobs, tools
 from deployments.observe import RequestObs
-from deployments.protocol import error_body, now
+from deployments.protocol import body_message, error_body, now
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +89,12 @@ async def _tool_verdict(body: Any, result: dict[str, Any], calls: list[Any]) -> 
 
 def engine_refusal(first: dict[str, Any]) -> ApiError:
     """A request the replica refused before its first token, as the HTTP error it maps to."""
-    message = first["warnings"][-1] if first["warnings"] else "request refused"
+    message = body_message(first["warnings"][-1]) if first["warnings"] else "request refused"
     status = first["error_status"] or 400
     field = message.split(":")[0]
     if status != 429:
         return ApiError(status, message, field)
-    reason = "kv_tier_full" if field.startswith("kv.") else "grammar_busy"
+    reason = "kv_tier_full" if field.startswith("kv_policy.") else "grammar_busy"
     return ApiError(429, message, field, retry_after=2, reason=reason)
 
 

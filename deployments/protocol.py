@@ -329,6 +329,12 @@ class BadRequest(ValueError):
         self.param = param
 
 
+def body_message(message: str) -> str:
+    """An engine message names the Python field (`kv.budget_tokens: ...`); the HTTP body's is
+    `kv_policy` (the field before the colon becomes the error's `param`)."""
+    return "kv_policy." + message.removeprefix("kv.") if message.startswith("kv.") else message
+
+
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from deployments import tools
-from deployments.protocol import BadRequest
+from deployments.protocol import BadRequest, body_message
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
 from services.compiler.specs import to_spec
 from services.engine.grammar.backend import GrammarError
@@ -182,7 +182,8 @@ def sampling_from(body: Any, max_tokens_cap: int) -> SamplingParams:
         try:
             kv = KVPolicy(**body.kv_policy.model_dump())
         except ValueError as exc:
-            raise BadRequest(str(exc), "kv_policy") from exc
+            message = body_message(str(exc))
+            raise BadRequest(message, message.partition(":")[0]) from exc
     try:
         return SamplingParams(
             max_tokens=requested or max_tokens_cap,

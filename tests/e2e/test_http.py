@@ -253,7 +253,11 @@ def test_concurrency_limit_answers_429_while_a_request_runs(server):
                 "messages": ask("x"),
                 "kv_policy": {"kind": "sinks", "n_sink": 9, "window": 1, "budget_tokens": 8},
             },
-            "kv_policy",
+            "kv_policy.budget_tokens",
+        ),
+        (  # refused by the replica (its pages are 16 tokens), named as the body's field
+            {"model": MODEL, "messages": ask("x"), "kv_policy": {"kind": "quest", "page_size": 32}},
+            "kv_policy.page_size",
         ),
     ],
 )

@@ -114,7 +114,24 @@ def test_http_kv_policy_reaches_the_engine_or_names_the_field():
     )
     with pytest.raises(BadRequest) as err:
         sampling_from(bad, 100)
-    assert err.value.param == "kv_policy" and "kv.kernel_size" in str(err.value)
+    assert err.value.param == "kv_policy.kernel_size"
+    assert str(err.value).startswith("kv_policy.kernel_size: must be odd")
     unknown = {"model": "m", "prompt": "x", "kv_policy": {"kind": "lru"}}
     with pytest.raises(ValidationError, match=", ".join(KV_KINDS)):  # the legal values, listed
         CompletionRequest.model_validate(unknown)
+
+
+@pytest.mark.parametrize("status", [400, 429])
+def test_a_replicas_kv_refusal_names_the_body_field(status):
+    """The engine names `kv.*` (SamplingParams.kv); over HTTP the field is `kv_policy.*`."""
+    from deployments.answers import engine_refusal
+
+    err = engine_refusal({"warnings": ["kv.offload: no host room"], "error_status": status})
+    assert (err.status, err.param, str(err)) == (
+        status,
+        "kv_policy.offload",
+        "kv_policy.offload: no host room",
+    )
+    assert err.reason == ("kv_tier_full" if status == 429 else None)
+    other = engine_refusal({"warnings": ["max_tokens: too many"], "error_status": 400})
+    assert other.param == "max_tokens"
