@@ -1,6 +1,6 @@
 /* The hot set's routing of one layer's Quest selection for one request (kvcache/hot_set.py).
 
-   The same LRU as the plain twin (`HotSet.route`, dicts), over arrays: per KV head, `ways`
+   The same LRU as the plain twin (`DictHotSet`, dicts), over arrays: per KV head, `ways`
    slots (the host slot a way holds, -1: empty) and stamps (a counter, larger: used later).
    Hits are refreshed in the order chosen; misses then take the highest empty way, else the
    least recently used way not touched this step; misses beyond that are read but not kept.
@@ -76,8 +76,8 @@ void hot_set_route(const int64_t *ids, int64_t kv_heads, int64_t k, int64_t *slo
     }
 }
 
-/* CPU only: the copies `kvcache.attention._quest_read_tiered` makes with a route, in one pass
-   instead of six tensor ops: the kept misses from the host arena into their hot-set cells, then
+/* CPU only: the copies `kvcache.tier_read._copy_route` makes with a route, in one pass
+   instead of its tensor ops: the kept misses from the host arena into their hot-set cells, then
    every choice into `out` (misses straight from the arena, the rest from the pool). A cell is
    `cell_bytes` contiguous bytes in each of the four arrays (one KV head of one page). */
 int hot_set_copy(char *out_k, char *out_v, char *pool_k, char *pool_v, const char *host_k,

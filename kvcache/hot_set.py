@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,16 +47,6 @@ class LayerRoute:
     def __init__(self, n: int) -> None:
         self.rows = torch.empty((6, n), dtype=torch.long)
         self.counts = torch.zeros(3, dtype=torch.long)
-
-
-@dataclass
-class Route:
-    """One layer's selection of one request, flattened over `[KVH, k]` (the plain twin's form)."""
-
-    cells: list[int]  # pool cell each choice is read from: head * num_pages + page
-    misses: list[int] = field(default_factory=list)  # positions read from the host tier
-    host_cells: list[int] = field(default_factory=list)  # their host cells: head * cap + slot
-    fills: list[tuple[int, int]] = field(default_factory=list)  # (index into misses, pool cell)
 
 
 class HotSet(ABC):
@@ -96,15 +85,6 @@ class HotSet(ABC):
         the others name host slot `id - num_pages`. Hits are refreshed; misses take empty ways
         (highest first), then the least recently used ones, never a way used this step; misses
         beyond that are read but not kept."""
-
-    def route(self, layer: int, ids: list[list[int]], num_pages: int, capacity: int) -> Route:
-        """`route_into` for one row, as lists (tests read routes this way)."""
-        out = LayerRoute(sum(len(chosen) for chosen in ids))
-        self.route_into(layer, torch.tensor(ids, dtype=torch.long), num_pages, capacity, out, 0)
-        rows, (misses, fills, _) = out.rows.tolist(), out.counts.tolist()
-        route = Route(rows[CELLS], rows[MISS_POS][:misses], rows[HOST_CELLS][:misses])
-        route.fills = list(zip(rows[FILL_FROM][:fills], rows[FILL_INTO][:fills], strict=True))
-        return route
 
 
 def route_rows(

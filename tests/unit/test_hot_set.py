@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from kvcache import hot_set
-from kvcache.hot_set import DictHotSet, HotSet, NativeHotSet
+from kvcache.hot_set import (
+    CELLS,
+    FILL_FROM,
+    FILL_INTO,
+    HOST_CELLS,
+    MISS_POS,
+    DictHotSet,
+    HotSet,
+    LayerRoute,
+    NativeHotSet,
+)
 from services import settings
 
 NUM_PAGES = 100  # ids from 100 name host slots
@@ -16,6 +28,26 @@ CAPACITY = 50  # host slots per KV head
 
 def parked(*slots: int) -> list[int]:
     return [NUM_PAGES + s for s in slots]
+
+
+@dataclass
+class Route:
+    """One layer's route of one request as lists, flattened over `[KVH, k]`."""
+
+    cells: list[int]  # pool cell each choice is read from: head * num_pages + page
+    misses: list[int] = field(default_factory=list)  # positions read from the host tier
+    host_cells: list[int] = field(default_factory=list)  # their host cells: head * cap + slot
+    fills: list[tuple[int, int]] = field(default_factory=list)  # (index into misses, pool cell)
+
+
+def route(hot: HotSet, layer: int, ids: list[list[int]]) -> Route:
+    """`route_into` for one row, read back as lists."""
+    out = LayerRoute(sum(len(chosen) for chosen in ids))
+    hot.route_into(layer, torch.tensor(ids, dtype=torch.long), NUM_PAGES, CAPACITY, out, 0)
+    rows, (misses, fills, _) = out.rows.tolist(), out.counts.tolist()
+    found = Route(rows[CELLS], rows[MISS_POS][:misses], rows[HOST_CELLS][:misses])
+    found.fills = list(zip(rows[FILL_FROM][:fills], rows[FILL_INTO][:fills], strict=True))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +71,24 @@ def new(request, router):
 
 def test_without_ways_every_parked_choice_is_a_miss_and_resident_pages_read_in_place(new):
     hot = new(num_layers=2, num_kv_heads=2)
-    route = hot.route(0, [[7, *parked(3, 4)], [8, *parked(5, 6)]], NUM_PAGES, CAPACITY)
-    assert route.cells[0] == 7 and route.cells[3] == NUM_PAGES + 8  # head 1's rows of the pool
-    assert route.misses == [1, 2, 4, 5]
-    assert route.host_cells == [3, 4, CAPACITY + 5, CAPACITY + 6]
-    assert route.fills == []
+    got = route(hot, 0, [[7, *parked(3, 4)], [8, *parked(5, 6)]])
+    assert got.cells[0] == 7 and got.cells[3] == NUM_PAGES + 8  # head 1's rows of the pool
+    assert got.misses == [1, 2, 4, 5]
+    assert got.host_cells == [3, 4, CAPACITY + 5, CAPACITY + 6]
+    assert got.fills == []
     assert hot.take_counts() == (2, 0, 4)
 
 
 def test_misses_fill_ways_and_the_next_step_reads_them_from_the_pool(new):
     hot = new(num_layers=1, num_kv_heads=2)
     hot.grow([50, 51])
-    first = hot.route(0, [parked(3, 4), parked(5, 6)], NUM_PAGES, CAPACITY)
+    first = route(hot, 0, [parked(3, 4), parked(5, 6)])
     assert first.misses == [0, 1, 2, 3]
     # every miss is kept, each head in its own cells of pool pages 50 and 51
     cells = dict(first.fills)
     assert sorted(cells[i] for i in (0, 1)) == [50, 51]
     assert sorted(cells[i] for i in (2, 3)) == [NUM_PAGES + 50, NUM_PAGES + 51]
-    second = hot.route(0, [parked(4, 9), parked(5, 6)], NUM_PAGES, CAPACITY)
+    second = route(hot, 0, [parked(4, 9), parked(5, 6)])
     assert second.misses == [1]  # slot 9 only
     assert second.cells[0] == cells[1]  # slot 4 read from the cell it filled
     assert second.cells[2:] == [cells[2], cells[3]]
@@ -68,31 +100,31 @@ def test_the_least_recently_used_way_goes_first(new):
     hot = new(num_layers=1, num_kv_heads=1)
     hot.grow([60, 61, 62])
     for slot in (1, 2, 3, 1):  # slot 1 used again: slot 2 is now the oldest
-        hot.route(0, [parked(slot)], NUM_PAGES, CAPACITY)
+        route(hot, 0, [parked(slot)])
     assert hot.cached(0, 0) == [2, 3, 1]
-    hot.route(0, [parked(8)], NUM_PAGES, CAPACITY)
+    route(hot, 0, [parked(8)])
     assert hot.cached(0, 0) == [3, 1, 8]
 
 
 def test_more_misses_than_free_ways_keep_the_ways_hit_this_step(new):
     hot = new(num_layers=1, num_kv_heads=1)
     hot.grow([70, 71])
-    hot.route(0, [parked(1)], NUM_PAGES, CAPACITY)
-    route = hot.route(0, [parked(1, 2, 3)], NUM_PAGES, CAPACITY)
-    assert route.misses == [1, 2]
-    assert [i for i, _ in route.fills] == [0]  # one empty way for two misses; slot 1 stays
+    route(hot, 0, [parked(1)])
+    got = route(hot, 0, [parked(1, 2, 3)])
+    assert got.misses == [1, 2]
+    assert [i for i, _ in got.fills] == [0]  # one empty way for two misses; slot 1 stays
     assert hot.cached(0, 0) == [1, 2]
 
 
 def test_layers_are_independent_and_shrink_forgets_ways(new):
     hot = new(num_layers=2, num_kv_heads=1)
     hot.grow([80, 81])
-    hot.route(0, [parked(5)], NUM_PAGES, CAPACITY)
-    assert hot.route(1, [parked(5)], NUM_PAGES, CAPACITY).misses == [0]  # layer 1 never saw it
-    assert hot.route(0, [parked(5)], NUM_PAGES, CAPACITY).misses == []
+    route(hot, 0, [parked(5)])
+    assert route(hot, 1, [parked(5)]).misses == [0]  # layer 1 never saw it
+    assert route(hot, 0, [parked(5)]).misses == []
     assert hot.shrink(1) == [81] and hot.ways == 1
     assert hot.shrink(5) == [80] and hot.ways == 0
-    assert hot.route(0, [parked(5)], NUM_PAGES, CAPACITY).misses == [0]
+    assert route(hot, 0, [parked(5)]).misses == [0]
     assert hot.cached(0, 0) == [] and hot.cached(1, 0) == []
 
 
@@ -110,9 +142,7 @@ def test_the_native_lru_routes_exactly_as_its_plain_twin(router):
             assert plain.shrink(3) == fast.shrink(3)
         layer = rng.randrange(3)
         ids = [sorted(rng.sample(range(NUM_PAGES - 5, NUM_PAGES + 14), 6)) for _ in range(2)]
-        assert plain.route(layer, ids, NUM_PAGES, CAPACITY) == fast.route(
-            layer, ids, NUM_PAGES, CAPACITY
-        )
+        assert route(plain, layer, ids) == route(fast, layer, ids)
         for head in range(2):
             assert plain.cached(layer, head) == fast.cached(layer, head)
     assert plain.take_counts() == fast.take_counts()
