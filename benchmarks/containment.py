@@ -12,7 +12,9 @@ p50 <= 1.3) and the p50 ratio beside the hostile request / beside the benign one
 
     .venv/bin/python benchmarks/containment.py [--tokens 64] [--repeats 2] [--cases a,b]
 
-Writes `benchmarks/results/containment.json` and `containment.png`.
+Writes `benchmarks/results/containment.json` and `containment.png`. With `--http`, the trust
+boundary's classes (template, validation, body) over the real server instead, a victim tenant
+streaming beside a hostile one (benchmarks/containment_http.py).
 """
 
 from __future__ import annotations
@@ -77,7 +79,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--http", action="store_true", help="the HTTP classes (containment_http.py)")
+    ap.add_argument("--senders", type=int, default=2, help="--http: hostile connections")
     args = ap.parse_args()
+    if args.http:
+        import containment_http
+
+        wanted = set(filter(None, args.cases.split(",")))
+        containment_http.run(args.tokens, args.repeats, args.senders, wanted)
+        return
     RESULTS.mkdir(exist_ok=True)
     loaded = load_model()
     served = LLM(loaded=loaded, kv_cache_memory=128 << 20)  # the compile service, as served

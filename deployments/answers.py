@@ -65,6 +65,11 @@ KINDS = {
 }
 
 
+def error_kind(status: int) -> str:
+    """OpenAI's error `type` for a status: any other 4xx is the client's, a 5xx the server's."""
+    return KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
 def _parsers(body: Any, chat: bool, n: int) -> list[tools.CallParser] | None:
     """Each choice's tool-call parser, when the body can call tools."""
     return [tools.CallParser() for _ in range(n)] if chat and tools.calls_expected(body) else None
@@ -77,10 +82,12 @@ def repeated_end(last: dict[str, Any]) -> dict[str, Any]:
     return {**last, **end, "warnings": [why]}
 
 
-async def _tool_verdict(body: Any, result: dict[str, Any], calls: list[Any]) -> str | None:
+async def _tool_verdict(
+    obs: RequestObs, body: Any, result: dict[str, Any], calls: list[Any]
+) -> str | None:
     """A choice's finish reason once its calls are known; their arguments' validation goes
     into its `validated` and `warnings`, as a schema's does."""
-    validated, problems = await tools.validate(body, calls)
+    validated, problems = await tools.validate(body, calls, obs.tenant)
     if validated is not None:
         result["validated"] = validated
         result["warnings"] = [*result["warnings"], *problems]
@@ -103,7 +110,7 @@ def error_response(err: ApiError) -> JSONResponse:
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
     code = err.code or (err.reason if err.status == 429 else None)
-    body = error_body(str(err), KINDS.get(err.status, "server_error"), err.param, code)
+    body = error_body(str(err), error_kind(err.status), err.param, code)
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 
@@ -155,7 +162,7 @@ async def collect(
             message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
             if parsers is not None:
                 message["content"], calls = parsers[i].result()
-                reason = await _tool_verdict(body, r, calls)
+                reason = await _tool_verdict(obs, body, r, calls)
                 if calls:
                     message["tool_calls"] = [c.as_dict() for c in calls]
             lp = logprobs.chat(r["logprobs"])
@@ -242,7 +249,7 @@ async def sse(
             delta = repeated_end(delta)
         parts += parser.finish() if delta["finished"] else []
         if delta["finished"]:
-            reason = await _tool_verdict(body, delta, parser.calls)
+            reason = await _tool_verdict(obs, body, delta, parser.calls)
             delta = {**delta, "finish_reason": reason}
         if not parts and (delta["finished"] or delta.get("logprobs") is not None):
             parts = [{}]

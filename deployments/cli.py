@@ -5,8 +5,10 @@
     structserve keys add TENANT [--key KEY] | keys revoke KEY_OR_SHA256 | keys list
 
 Without `--redis-url` it uses `REDIS_URL` when set, else an in-process cache (registrations then
-live as long as the service). Without any configured key it makes one for the default tenant.
-A revoked key is refused from the next request on, by every ingress replica.
+live as long as the service). Without any configured key it makes one for the default tenant, and
+without `STRUCTSERVE_METRICS_TOKEN` a token for `/metrics` (both printed). A revoked key is refused
+from the next request on, by every ingress replica. Ray's own listeners stay on loopback, behind a
+token of this run (deployments/local_ray.py); `--host` moves the HTTP service only.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def serve_command(args: argparse.Namespace) -> int:
         key, made_key = "sk-" + secrets.token_urlsafe(24), True
     if key:
         os.environ["STRUCTSERVE_API_KEY"] = key  # the builder reads the default tenant's key here
+    # /metrics names tenants and their traffic: never anonymous (the replicas inherit it)
+    metrics_token = settings.metrics_token()
+    made_token = metrics_token is None
+    if metrics_token is None:
+        metrics_token = os.environ["STRUCTSERVE_METRICS_TOKEN"] = "mt-" + secrets.token_urlsafe(24)
     # Verdicts in Redis are signed; without a secret of the operator's, one for this run (the
     # replicas inherit it: set before Ray starts). A new one only means recompiles.
     os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", secrets.token_urlsafe(32))
@@ -82,10 +89,10 @@ def serve_command(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from deployments import local_ray
     from deployments.app import build_app
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback by default; see --host
-    ray.init(include_dashboard=False, log_to_driver=args.verbose, configure_logging=False)
+    local_ray.start(log_to_driver=args.verbose)
     serve.start(http_options={"host": cfg.ingress.host, "port": cfg.ingress.port})
     print(f"structserve: deploying {cfg.served_model_name} (first start converts the model)...")
     serve.run(build_app(cfg), name="structserve", route_prefix="/", blocking=False)
@@ -95,6 +102,8 @@ def serve_command(args: argparse.Namespace) -> int:
     print(f"structserve: ready at {url}/v1 (OpenAI API)")
     if made_key:
         print(f"structserve: API key for the default tenant: {key}")
+    if made_token:
+        print(f"structserve: /metrics answers `Authorization: Bearer {metrics_token}`")
     body = {"model": cfg.served_model_name, "messages": [{"role": "user", "content": "Hi"}]}
     print(
         f"  curl {url}/v1/chat/completions -H 'Authorization: Bearer $KEY' "

@@ -35,6 +35,10 @@ class IngressConfig(Backpressure):
     # a body still arriving after this is a 408: a slow sender holds one of its tenant's slots
     # (taken before the body is read) for this long at most
     body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    # a body's shape, checked before it is validated (deployments/edge.py: a 400 naming it)
+    max_json_depth: int = Field(default=128, ge=8, le=1000)
+    max_json_values: int = Field(default=1 << 18, ge=1024)
+    max_messages: int = Field(default=2048, ge=1)
 
 
 class RoutingConfig(_Strict):
@@ -67,6 +71,10 @@ class LLMConfig(Backpressure):
 
 
 class GrammarServiceConfig(Backpressure):
+    # inline grammars' compiled forms, verdicts and timings shared between tenants; off: each
+    # tenant's are its own (another tenant's request cannot tell what it sent by how fast its
+    # own compiles). Registered grammars are always the registering tenant's.
+    share_inline_cache: bool = False
     workers: int = Field(default=2, ge=1)
     deadline_s: float = Field(default=10.0, gt=0)
     mask_budget_ms: float = Field(default=20.0, gt=0)
@@ -109,6 +117,9 @@ class TelemetryConfig(_Strict):
     sampling_ratio: float = Field(default=1.0, ge=0, le=1)
     # prompt text in request logs and spans (`gen_ai.input.messages`); off: never written
     log_prompts: bool = False
+    # metric series labelled by tenant; off: summed over tenants (a scrape learns no tenant's
+    # traffic). /metrics answers only the metrics token's holder either way.
+    tenant_labels: bool = False
     export_interval_s: float = Field(default=5.0, gt=0, le=300)  # OTLP batches and metric pushes
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -38,10 +40,51 @@ def check_metrics_token(token: str | None, authorization: str | None) -> None:
         raise ApiError(401, "metrics: send `Authorization: Bearer <metrics token>`")
 
 
-async def read_body(request: Any, model: type[BaseModel], limit: int, timeout_s: float) -> Any:
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a body may hold, checked before pydantic builds anything from it."""
+
+    max_bytes: int
+    timeout_s: float
+    max_depth: int = 128
+    max_values: int = 1 << 18
+    max_messages: int = 2048
+
+
+def screen(raw: bytes, lim: BodyLimits) -> None:
+    """400 for a body nested past `max_depth`, with more than `max_values` JSON values or more
+    than `max_messages` messages: a cost pydantic (and every walk after it) would pay in full
+    before refusing. Text that is not JSON passes: pydantic's error names what is wrong."""
+    try:
+        value = json.loads(raw)
+    except RecursionError as exc:
+        raise ApiError(400, f"body: nested deeper than {lim.max_depth} levels") from exc
+    except ValueError:
+        return
+    messages = value.get("messages") if isinstance(value, dict) else None
+    if isinstance(messages, list) and len(messages) > lim.max_messages:
+        raise ApiError(400, f"messages: at most {lim.max_messages} messages", "messages")
+    stack, count = [(value, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if depth > lim.max_depth:
+            raise ApiError(400, f"body: nested deeper than {lim.max_depth} levels")
+        if count > lim.max_values:
+            raise ApiError(400, f"body: more than {lim.max_values} JSON values")
+        if isinstance(node, dict | list):
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+
+
+SCREEN_OFF_LOOP_BYTES = 64 << 10  # a body this big is screened and parsed off the event loop
+
+
+async def read_body(request: Any, model: type[BaseModel], lim: BodyLimits) -> Any:
     """The body validated against `model`; counted as it arrives (no unbounded buffer): 413
-    above `limit` bytes, 408 when it has not all arrived within `timeout_s`, 400 naming the first
-    invalid field."""
+    above `max_bytes`, 408 when it has not all arrived within `timeout_s`, 400 for a body past
+    the shape limits (`screen`) and naming the first invalid field."""
+    limit, timeout_s = lim.max_bytes, lim.timeout_s
     if int(request.headers.get("content-length") or 0) > limit:
         raise ApiError(413, f"body: larger than {limit} bytes")
     chunks: list[bytes] = []
@@ -58,8 +101,16 @@ async def read_body(request: Any, model: type[BaseModel], limit: int, timeout_s:
         await asyncio.wait_for(receive(), timeout_s)
     except TimeoutError as exc:
         raise ApiError(408, f"body: not received within {timeout_s:g} s") from exc
+    raw = b"".join(chunks)
+
+    def parse() -> Any:
+        screen(raw, lim)
+        return model.model_validate_json(raw)
+
     try:
-        return model.model_validate_json(b"".join(chunks))
+        if len(raw) < SCREEN_OFF_LOOP_BYTES:
+            return parse()
+        return await asyncio.to_thread(parse)  # other requests' streams go on meanwhile
     except ValidationError as exc:
         first = exc.errors()[0]
         msg = first["msg"].removeprefix("Value error, ")

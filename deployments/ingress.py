@@ -14,21 +14,20 @@ metrics.
 import asyncio
 import functools
 import logging
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import openapi, tools
+from deployments import grammar_api, openapi, tools
 from deployments.answers import ApiError, cancel, collect, engine_refusal, error_response, sse
 from deployments.config import ServiceConfig
-from deployments.edge import ReleasingStream, check_metrics_token, read_body, refuse_control_headers
-from deployments.grammar_api import GrammarRegistration, grammar_view, raise_for
+from deployments.edge import ReleasingStream, check_metrics_token
+from deployments.gate import Gate
+from deployments.grammar_api import GrammarRegistration, raise_for
 from deployments.observe import RequestObs, observe
 from deployments.protocol import (
     BadRequest,
@@ -41,10 +40,9 @@ from deployments.protocol import (
     new_id,
     template_options,
 )
-from deployments.quota import Lease, LimitError
 from deployments.telemetry_hub import scraped, setup
-from deployments.tenants import AuthError, NeverFits, Tenants
-from deployments.translate import sampling_from, screen, structured_from
+from deployments.tenants import Tenants
+from deployments.translate import sampling_from, screen
 from services import settings
 
 log = logging.getLogger(__name__)
@@ -104,42 +102,10 @@ class Ingress:
         self.grammar = grammar
         self.hub = hub
         self.tenants = Tenants(self.config, default_key, redis_client(self.config.redis_url))
+        self.gate = Gate(self.config, self.tenants, llm)
         self.metrics_token = settings.metrics_token()
 
     # -- plumbing ------------------------------------------------------------------------
-
-    async def _tenant(self, request: Request) -> str:
-        refuse_control_headers(request.headers)
-        try:
-            return await self.tenants.authenticate(request.headers.get("authorization"))
-        except AuthError as exc:
-            raise ApiError(401, str(exc)) from exc
-
-    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
-        ing = self.config.ingress
-        return await read_body(request, model, ing.max_body_bytes, ing.body_timeout_s)
-
-    def _check_model(self, model: str) -> None:
-        names = (self.config.served_model_name, *self.config.model_aliases)
-        if model not in names:
-            raise ApiError(
-                404,
-                f"model: {model[:100]!r} does not exist; this server serves {names[0]!r}",
-                "model",
-                code="model_not_found",
-            )
-
-    async def _admit(self, tenant: str, lease: Lease | None = None, more: int = 0) -> Lease:
-        """A new lease (one slot and a rate token), or `more` slots on `lease`."""
-        try:
-            if lease is None:
-                return await self.tenants.admit(tenant)
-            await self.tenants.grow(lease, more)
-            return lease
-        except NeverFits as exc:  # no retry can help: a 400, not a 429
-            raise ApiError(400, str(exc), "n") from exc
-        except LimitError as exc:
-            raise ApiError(429, str(exc), retry_after=exc.retry_after, reason=exc.reason) from exc
 
     def _params(self, tenant: str, body: Any) -> Any:
         lim = self.tenants.limits_of(tenant)
@@ -150,20 +116,22 @@ class Ingress:
         except BadRequest as exc:
             raise ApiError(400, str(exc), exc.param) from exc
 
-    @staticmethod
-    def _inputs(body: Any) -> tuple[Any, Any, Any]:
-        """(prompt, messages, template options) for the replica; 400 on earlier calls'
-        arguments that are not JSON."""
+    async def _inputs(self, body: Any) -> tuple[Any, Any, Any]:
+        """(prompt, messages, template options) for the replica, within its size cap; 400 on
+        earlier calls' arguments that are not JSON and on template variables refused."""
         if not isinstance(body, ChatCompletionRequest):
             p = body.prompt
-            return (p[0] if isinstance(p, list) and isinstance(p[0], str) else p), None, None
+            prompt = p[0] if isinstance(p, list) and isinstance(p[0], str) else p
+            await self.gate.check_prompt(prompt)
+            return prompt, None, None
         try:
             messages = tools.messages_of(body)
+            template = template_options(body)
         except ValueError as exc:
             raise ApiError(400, str(exc), str(exc).split(":")[0]) from exc
-        template = template_options(body)
         if (listed := tools.prompt_tools(body)) is not None:
             template["tools"] = listed
+        await self.gate.check_prompt(messages=messages)
         return None, messages, template
 
     def _stream(self, obs: RequestObs, inputs: Any, params: Any, index: int, rid: str) -> Any:
@@ -208,18 +176,20 @@ class Ingress:
         return response
 
     async def _complete(self, request: Request, chat: bool, obs: RequestObs) -> Response:
-        tenant = obs.tenant = await self._tenant(request)
-        lease = await self._admit(tenant)
+        tenant = obs.tenant = await self.gate.tenant(request)
+        lease = await self.gate.admit(tenant)
         streams: list[Any] = []
         streaming = False  # the stream releases the lease from then on
         try:
-            body = await self._body(request, ChatCompletionRequest if chat else CompletionRequest)
-            self._check_model(body.model)
+            body = await self.gate.body(
+                request, ChatCompletionRequest if chat else CompletionRequest
+            )
+            self.gate.check_model(body.model)
             params = self._params(tenant, body)
             rid = new_id("chatcmpl" if chat else "cmpl", client_request_id(request.headers))
             obs.describe(body, params, rid, self.config.served_model_name)
-            inputs = self._inputs(body)
-            await self._admit(tenant, lease, body.n - 1)
+            inputs = await self._inputs(body)
+            await self.gate.admit(tenant, lease, body.n - 1)
             streams = [self._stream(obs, inputs, params, i, rid) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
             if body.stream:
@@ -237,73 +207,10 @@ class Ingress:
             if not streaming:  # any other end (idempotent)
                 self.tenants.release(lease, sum(obs.usage.values()))
 
-    # -- grammars ------------------------------------------------------------------------
-
-    async def register_grammar(self, request: Request) -> JSONResponse:
-        obs = observe("grammars", request.headers)
-        try:
-            response = await self._register_grammar(request, obs)
-        except BaseException as err:
-            obs.finish(err.status if isinstance(err, ApiError) else 499, err)
-            raise
-        obs.finish(201)
-        return response
-
-    async def _register_grammar(self, request: Request, obs: RequestObs) -> JSONResponse:
-        tenant = obs.tenant = await self._tenant(request)
-        start = time.perf_counter()
-        lease = await self._admit(tenant)  # a registration is a compile: it counts like a request
-        try:
-            body = await self._body(request, GrammarRegistration)
-            try:
-                structured = structured_from(body)
-            except BadRequest as exc:
-                raise ApiError(400, str(exc), exc.param) from exc
-            if structured is None or structured.grammar_id is not None:
-                raise ApiError(400, "give the grammar in structured_outputs or response_format")
-            from dataclasses import replace
-
-            structured = replace(structured, fidelity=body.fidelity)
-            out = await self.grammar.register.remote(tenant, body.name, structured)
-            await self.tenants.release(lease)
-        finally:
-            self.tenants.release(lease)  # any other end (idempotent)
-        raise_for(out)
-        return JSONResponse(
-            {
-                "id": out["grammar_id"],
-                "object": "grammar",
-                "name": out["name"],
-                "status": "ready",
-                "compile_seconds": out["compile_s"],
-                "registration_seconds": time.perf_counter() - start,
-                "fidelity": {"loosened": out["warnings"]},
-            },
-            status_code=201,
-        )
-
-    async def list_grammars(self, request: Request) -> JSONResponse:
-        tenant = await self._tenant(request)
-        out = await self.grammar.registrations.remote(tenant)
-        raise_for(out)
-        return JSONResponse({"object": "list", "data": [grammar_view(r) for r in out]})
-
-    async def get_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
-        tenant = await self._tenant(request)
-        out = await self.grammar.registrations.remote(tenant, grammar_id)
-        raise_for(out)
-        return JSONResponse(grammar_view(out, spec=True))
-
-    async def delete_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
-        tenant = await self._tenant(request)
-        out = await self.grammar.delete.remote(tenant, grammar_id)
-        raise_for(out)
-        return JSONResponse({"id": grammar_id, "object": "grammar", "deleted": True})
-
     # -- the rest ------------------------------------------------------------------------
 
     async def models(self, request: Request) -> JSONResponse:
-        await self._tenant(request)
+        await self.gate.tenant(request)
         names = (self.config.served_model_name, *self.config.model_aliases)
         data = [
             {"id": n, "object": "model", "created": 0, "owned_by": "structserve"} for n in names
@@ -312,22 +219,26 @@ class Ingress:
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the token ids a prompt (or templated messages) becomes."""
-        await self._tenant(request)
-        body = await self._body(request, TokenizeRequest)
-        self._check_model(body.model)
-        messages = template = None
-        if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            template = template_options(body)
-        out = await self.llm.tokenize.remote(body.prompt, messages, template)
+        async with self.gate.metered(request) as tenant:
+            body = await self.gate.body(request, TokenizeRequest)
+            self.gate.check_model(body.model)
+            messages = template = None
+            try:
+                if body.messages is not None:
+                    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                    template = template_options(body)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), str(exc).split(":")[0]) from exc
+            await self.gate.check_prompt(body.prompt, messages)
+            out = await self.llm.tokenize.remote(body.prompt, messages, template, tenant)
         raise_for(out)
         return JSONResponse(out)
 
     async def detokenize(self, request: Request) -> JSONResponse:
-        await self._tenant(request)
-        body = await self._body(request, DetokenizeRequest)
-        self._check_model(body.model)
-        out = await self.llm.detokenize.remote(body.tokens)
+        async with self.gate.metered(request):
+            body = await self.gate.body(request, DetokenizeRequest)
+            self.gate.check_model(body.model)
+            out = await self.llm.detokenize.remote(body.tokens)
         raise_for(out)
         return JSONResponse(out)
 
@@ -364,19 +275,19 @@ class Ingress:
 
     @app.post("/v1/grammars")
     async def post_grammar(self, request: Request) -> JSONResponse:
-        return await self.register_grammar(request)
+        return await grammar_api.register(self.gate, self.grammar, request)
 
     @app.get("/v1/grammars")
     async def get_grammars(self, request: Request) -> JSONResponse:
-        return await self.list_grammars(request)
+        return await grammar_api.listed(self.gate, self.grammar, request)
 
     @app.get("/v1/grammars/{grammar_id}")
     async def get_one_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
-        return await self.get_grammar(request, grammar_id)
+        return await grammar_api.listed(self.gate, self.grammar, request, grammar_id)
 
     @app.delete("/v1/grammars/{grammar_id}")
     async def delete_one_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
-        return await self.delete_grammar(request, grammar_id)
+        return await grammar_api.delete(self.gate, self.grammar, request, grammar_id)
 
     @app.get("/healthz")
     async def health(self) -> JSONResponse:

@@ -114,10 +114,11 @@ class RequestObs:
 
     def _record(self, status: int, error: BaseException | None) -> None:
         fam = self.tel.metrics
-        fam.requests.add(1, {"route": self.route, "tenant": self.tenant, "status": str(status)})
+        tenant = self.tel.tenant(self.tenant)
+        fam.requests.add(1, {"route": self.route, **tenant, "status": str(status)})
         if status == 429:
             reason = getattr(error, "reason", None) or "replica_busy"
-            fam.throttled.add(1, {"reason": reason, "tenant": self.tenant})
+            fam.throttled.add(1, {"reason": reason, **tenant})
         if self.span is not None:
             self.span.set_attribute(spans.HTTP_STATUS, status)
             self.span.set_attribute(spans.TENANT, self.tenant)

@@ -10,11 +10,18 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from kvcache.policy_spec import KV_KINDS
+from services.engine.chat_template import check_variables, reserved_names
+from services.engine.params import MAX_TOP_K
+
+# JSON's own types only: `true` is not the integer 1, nor `1` the boolean true (pydantic's lax mode
+# takes both, so `max_tokens: true` meant one token)
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
 
 
 class _Body(BaseModel):
@@ -27,7 +34,7 @@ class JsonSchemaFormat(_Body):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ResponseFormat(_Body):
@@ -58,11 +65,11 @@ class StructuredOutputs(_Body):
     structural_tag: dict[str, Any] | str | None = None
     grammar_id: str | None = None
     whitespace_pattern: str | None = None  # refused: xgrammar takes no whitespace regex
-    disable_any_whitespace: bool = False  # compact JSON
-    disable_additional_properties: bool = False
+    disable_any_whitespace: Bool = False  # compact JSON
+    disable_additional_properties: Bool = False
     # ours: outputs that finish (services/engine/grammar/finish.py); set to turn them off
-    bound_numbers: bool = True
-    max_repeat_run: int | None = Field(default=128, ge=8)
+    bound_numbers: Bool = True
+    max_repeat_run: Int | None = Field(default=128, ge=8)
     # ours: pins a grammar backend (else the service's `grammar_backend`)
     backend: Literal["xgrammar", "llguidance"] | None = None
 
@@ -72,17 +79,17 @@ class KVPolicyBody(_Body):
 
     # a registered policy (kvcache.policies.POLICIES); the schema still lists them
     kind: str = Field(default="full", json_schema_extra={"enum": list(KV_KINDS)})
-    budget_tokens: int | None = Field(default=None, ge=1, le=1 << 24)
-    page_size: int | None = Field(default=None, ge=1, le=1 << 16)
-    offload: bool = False
-    window: int | None = Field(default=None, ge=1, le=1 << 24)
-    n_sink: int = Field(default=4, ge=0, le=1 << 16)
-    rerotate: bool = False
+    budget_tokens: Int | None = Field(default=None, ge=1, le=1 << 24)
+    page_size: Int | None = Field(default=None, ge=1, le=1 << 16)
+    offload: Bool = False
+    window: Int | None = Field(default=None, ge=1, le=1 << 24)
+    n_sink: Int = Field(default=4, ge=0, le=1 << 16)
+    rerotate: Bool = False
     heavy_ratio: float = Field(default=0.5, ge=0, le=1)
-    kernel_size: int = Field(default=5, ge=1, le=255)
-    dense_layers: int = Field(default=2, ge=0, le=1024)
+    kernel_size: Int = Field(default=5, ge=1, le=255)
+    dense_layers: Int = Field(default=2, ge=0, le=1024)
     # offload: pool pages of the hot set; a cache the scheduler takes back before preempting
-    hot_pages: int | None = Field(default=None, ge=0, le=1 << 20)
+    hot_pages: Int | None = Field(default=None, ge=0, le=1 << 20)
 
     @field_validator("kind")
     @classmethod
@@ -93,7 +100,7 @@ class KVPolicyBody(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 # Fields a client may send that change nothing in the output: accepted and not used. Any other
@@ -108,29 +115,29 @@ class _Common(_Body):
     model_config = ConfigDict(extra="allow")  # checked by `_known_fields`
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
+    n: Int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    stream: bool = False
+    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     # sampling controls, with vLLM's names and bounds (SamplingParams says what each does)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: Int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0, le=1)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0, le=100)
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI sends it) -> bias
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=0)  # each prompt token's own
+    min_tokens: Int = Field(default=0, ge=0)
+    stop_token_ids: list[Int] | None = None
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=0)  # each prompt token's own
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     grammar_id: str | None = None
     kv_policy: KVPolicyBody | None = None
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
+    ignore_eos: Bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence
     # vLLM's field: only requests with the same salt share cached prefix pages (within a tenant;
     # tenants never share any)
     cache_salt: str | None = None
@@ -172,7 +179,7 @@ class FunctionDef(_Body):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ToolDef(_Body):
@@ -202,12 +209,20 @@ class ToolCallIn(_Body):
     function: CalledFunction
 
 
+_RESERVED = reserved_names()
+
+
 def template_options(body: Any) -> dict[str, Any]:
-    """The chat template's keywords from a body (chat or /tokenize)."""
+    """The chat template's keywords from a body (chat or /tokenize); `BadRequest` naming a
+    `chat_template_kwargs` entry that is not a plain template variable (chat_template.py)."""
+    try:
+        variables = check_variables(body.chat_template_kwargs, _RESERVED)
+    except ValueError as exc:
+        raise BadRequest(str(exc), str(exc).split(":")[0]) from exc
     return {
         "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message,
-        **(body.chat_template_kwargs or {}),
+        **variables,
     }
 
 
@@ -244,14 +259,14 @@ class ChatCompletionRequest(_Common):
     says what each choice constrains)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    parallel_tool_calls: Bool = True
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -278,9 +293,9 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] = Field(min_length=1)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: str | list[Int] | list[str] = Field(min_length=1)
+    echo: Bool = False
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
@@ -303,8 +318,8 @@ class TokenizeRequest(_Body):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -318,7 +333,7 @@ class DetokenizeRequest(_Body):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[Int] = Field(max_length=1 << 20)
 
 
 class BadRequest(ValueError):

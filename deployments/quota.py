@@ -131,6 +131,9 @@ class Quota:
         self._held: dict[str, Lease] = {}  # this replica's Redis leases, renewed while held
         self._down_until = 0.0
         self._scripts: dict[str, Any] = {}
+        # (key, members) of releases Redis did not take (it hung or was down): taken off when it
+        # answers again, so a stream that ended meanwhile does not hold its slot to expiry
+        self._unreleased: list[tuple[str, list[str]]] = []
 
     # -- the three steps -------------------------------------------------------------------
 
@@ -152,23 +155,51 @@ class Quota:
                 return
             lease.released = True
             self._held.pop(lease.lease_id, None)
-        if lease.local or not self._redis_up():
+        if lease.local:
             self._release_local(lease, lim, tokens)
             return
+        members = [f"{lease.lease_id}#{i + 1}" for i in range(lease.slots)]
+        key = self._key(lease.tenant, "active")
+        if not self._redis_up():
+            self._later(key, members)
+            return
         try:
-            members = [f"{lease.lease_id}#{i + 1}" for i in range(lease.slots)]
             pipe = self.redis.pipeline()  # type: ignore[union-attr]
             if members:
-                pipe.zrem(self._key(lease.tenant, "active"), *members)
+                pipe.zrem(key, *members)
             if tokens and lim.tokens_per_minute:
                 args = (self.clock(), lim.tokens_per_minute, tokens)
                 pipe.evalsha(self._sha("charge"), 1, self._key(lease.tenant, "tokens"), *args)
             pipe.execute()
-        except Exception as exc:  # the slots expire with their lease; the tokens are forgiven
+        except Exception as exc:  # the slots go when Redis answers again; the tokens are forgiven
             self._failed(exc)
+            self._later(key, members)
+
+    def _later(self, key: str, members: list[str]) -> None:
+        if members:
+            with self._lock:
+                self._unreleased.append((key, members))
+
+    def _flush_unreleased(self) -> None:
+        """Releases Redis missed, now that it may answer (before each admission and renewal)."""
+        with self._lock:
+            pending, self._unreleased = self._unreleased, []
+        if not pending:
+            return
+        try:
+            pipe = self.redis.pipeline()  # type: ignore[union-attr]
+            for key, members in pending:
+                pipe.zrem(key, *members)
+            pipe.execute()
+        except Exception as exc:  # still away: kept for the next try
+            self._failed(exc)
+            with self._lock:
+                self._unreleased = pending + self._unreleased
 
     def renew(self) -> None:
         """Pushes back the expiry of every lease this replica holds (call every few seconds)."""
+        if self._redis_up():
+            self._flush_unreleased()
         with self._lock:
             held = [x for x in self._held.values() if not x.released]
         if not held or not self._redis_up():
@@ -192,6 +223,7 @@ class Quota:
             return
         if not self._redis_up():  # half admitted on Redis: its slots cannot be counted locally
             raise LimitError("limits are unavailable; try again", 1.0, "concurrency")
+        self._flush_unreleased()
         now = self.clock()
         # members are <lease>#1..#slots; a grown lease's new ones continue the numbering
         args = (

@@ -87,8 +87,11 @@ class LLMReplica:
             backends = self.engine.grammars.backend
             xgrammar = backends.xgrammar
             remote = RemoteVerdicts(grammar_handle, xgrammar.tokenizer_info)
-            local = LocalBuilds(backends, cfg.grammar.limits, cfg.grammar.mask_budget_ms)
-            provider = ServiceGrammarProvider(xgrammar, remote, local=local)
+            share = cfg.grammar.share_inline_cache
+            local = LocalBuilds(
+                backends, cfg.grammar.limits, cfg.grammar.mask_budget_ms, share_inline=share
+            )
+            provider = ServiceGrammarProvider(xgrammar, remote, local=local, share_inline=share)
             self.engine.grammars.use_provider(provider)
         self.llm = AsyncLLM(self.engine)
         self.token_text = logprobs.TokenText(self.engine.tokenizer)
@@ -106,9 +109,9 @@ class LLMReplica:
     ) -> AsyncIterator[dict[str, Any]]:
         """`template`: chat template options (`add_generation_prompt`, ...)."""
         try:  # off the event loop and the engine thread, after the character cap
-            prompt_ids = await self.llm.encode(prompt, messages, template)
-        except ValueError as exc:
-            yield refusal_dict(str(exc)[:300], 400)
+            prompt_ids = await self.llm.encode(prompt, messages, template, tenant)
+        except ValueError as exc:  # a render that could not run says so (503: try again)
+            yield refusal_dict(str(exc)[:300], getattr(exc, "status", 400))
             return
         tel = self.tel
         attrs: dict[str, Any] = {
@@ -167,11 +170,12 @@ class LLMReplica:
         prompt: str | None,
         messages: list[dict[str, Any]] | None,
         template: dict[str, Any] | None,
+        tenant: str = "default",
     ) -> dict[str, Any]:
         try:
-            ids = await self.llm.encode(prompt, messages, template)
+            ids = await self.llm.encode(prompt, messages, template, tenant, route=True)
         except ValueError as exc:
-            return {"error": str(exc)[:300], "status": 400}
+            return {"error": str(exc)[:300], "status": getattr(exc, "status", 400)}
         limit = self.engine.max_model_len
         return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
@@ -182,6 +186,13 @@ class LLMReplica:
             return {"error": message, "status": 400}
         text = await asyncio.to_thread(self.engine.tokenizer.decode, tokens)
         return {"prompt": text}
+
+    async def limits(self) -> dict[str, int]:
+        """What the ingress checks before a prompt crosses to a replica (deployments/gate.py)."""
+        return {
+            "max_prompt_chars": self.engine.limits.max_prompt_chars,
+            "max_model_len": self.engine.max_model_len,
+        }
 
     async def check_health(self) -> None:
         self.llm.check_alive()

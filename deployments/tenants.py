@@ -31,6 +31,7 @@ DEFAULT_TENANT = "default"
 _REDIS_KEYS = "structserve:apikeys"  # hash: sha256 -> tenant
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 RELOAD_S = 2.0  # the keys file is checked for changes at most this often
+REDIS_RETRY_S = 5.0  # after a failed key lookup Redis is not asked again for this long
 
 
 def digest(api_key: str) -> str:
@@ -39,6 +40,15 @@ def digest(api_key: str) -> str:
 
 class AuthError(Exception):
     """401: no key, or a key no tenant holds."""
+
+
+class AuthUnavailable(Exception):
+    """503: the key is not one of the configured ones and Redis, which may hold it, cannot be
+    asked now (a 401 would tell a valid key's holder it was revoked)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class NeverFits(ValueError):
@@ -78,7 +88,9 @@ class Tenants:
         for known, name in (*self._static, *self._file):  # all compared: no early exit to time
             if hmac.compare_digest(known, presented):
                 tenant = name
-        if tenant is None and self.redis is not None and time.monotonic() >= self._redis_down:
+        if tenant is None and self.redis is not None:
+            if time.monotonic() < self._redis_down:
+                raise _unavailable(self._redis_down - time.monotonic())
             # a blocking client: off the event loop, so a slow Redis stalls no one else
             tenant = await asyncio.to_thread(self._from_redis, presented)
         if tenant is None:
@@ -108,10 +120,10 @@ class Tenants:
     def _from_redis(self, presented: str) -> str | None:
         try:
             raw = self.redis.hget(_REDIS_KEYS, presented)  # type: ignore[union-attr]
-        except Exception as exc:  # Redis down: configured keys still work
-            self._redis_down = time.monotonic() + 5.0
+        except Exception as exc:  # Redis down: configured keys still work, the rest wait
+            self._redis_down = time.monotonic() + REDIS_RETRY_S
             log.warning("api keys: Redis lookup failed (%s)", exc)
-            return None
+            raise _unavailable(REDIS_RETRY_S) from exc
         return raw.decode() if raw else None
 
     def limits_of(self, tenant: str) -> TenantLimits:
@@ -170,6 +182,11 @@ class Tenants:
                 await asyncio.to_thread(self.quota.renew)
             except Exception:  # a failed renewal is retried; the quota logs Redis failures
                 log.debug("lease renewal failed", exc_info=True)
+
+
+def _unavailable(wait: float) -> AuthUnavailable:
+    message = "API keys kept in Redis cannot be checked now (Redis is unreachable); try again"
+    return AuthUnavailable(message, max(1.0, wait))
 
 
 def parse_keys(raw: Any) -> list[tuple[str, str]]:

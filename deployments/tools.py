@@ -21,11 +21,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema_rs
-
 from deployments.protocol import ChatCompletionRequest, NamedToolChoice
 from services.engine.grammar.finish import bounded
 from services.engine.tool_format import END, TRIGGER, call_begin
+from services.sandbox.validate import SchemaValidator, schema_text
 
 _HEAD = re.compile(r'^\n\{"name": "([A-Za-z0-9_.-]{1,64})", "arguments": ')
 _HEAD_MAX = 96  # the longest head `_HEAD` can match
@@ -285,31 +284,29 @@ def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _check(schemas: dict[str, dict[str, Any]], calls: list[ToolCall]) -> tuple[bool, list[str]]:
-    problems = []
-    for call in calls:
-        try:
-            value = json.loads(call.arguments)
-            validator = jsonschema_rs.validator_for(schemas[call.name], validate_formats=True)
-            error = next(iter(validator.iter_errors(value)), None)
-        except Exception as exc:  # not JSON (a cut call), an unusable schema
-            problems.append(f"tool_calls[{call.name}]: {str(exc).splitlines()[0][:200]}")
-            continue
-        if error is not None:
-            problems.append(f"tool_calls[{call.name}]: arguments failed validation: {error}")
-    return not problems, [p[:300] for p in problems]
-
-
 async def validate(
-    body: ChatCompletionRequest, calls: list[ToolCall]
+    body: ChatCompletionRequest, calls: list[ToolCall], tenant: str = "default"
 ) -> tuple[bool | None, list[str]]:
-    """Each call's arguments against its function's `parameters`, off the event loop and
-    under a time bound (the schema is the tenant's: jsonschema-rs runs its patterns in linear
-    time, see services/engine/grammar/validation.py). None: there was no call."""
+    """Each call's arguments against its function's `parameters`, in a killable worker under a
+    time bound (the schema is the tenant's: services/sandbox/validate.py says why a thread would
+    not do). None: there was no call."""
     if not calls:
         return None, []
     schemas = {t.function.name: _schema(t.function.parameters) for t in body.tools or ()}
-    try:
-        return await asyncio.wait_for(asyncio.to_thread(_check, schemas, calls), VALIDATE_TIMEOUT_S)
-    except TimeoutError:
-        return False, [f"tool_calls: validation did not finish within {VALIDATE_TIMEOUT_S:g} s"]
+    checks = [(schema_text(schemas[c.name]), c.arguments) for c in calls]
+    verdicts = await asyncio.to_thread(_validator().check, checks, tenant)
+    problems = [
+        f"tool_calls[{call.name}]: " + (why or "").replace("output failed", "arguments failed")
+        for call, (ok, why) in zip(calls, verdicts, strict=True)
+        if not ok
+    ]
+    return not problems, [p[:300] for p in problems]
+
+
+_VALIDATOR: list[SchemaValidator] = []  # this process's, made on first use
+
+
+def _validator() -> SchemaValidator:
+    if not _VALIDATOR:
+        _VALIDATOR.append(SchemaValidator(workers=2, timeout_s=VALIDATE_TIMEOUT_S))
+    return _VALIDATOR[0]

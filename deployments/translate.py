@@ -10,15 +10,17 @@ older vLLM clients and SGLang still send (`guided_json`, `guided_regex`, `guided
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from deployments import tools
 from deployments.protocol import BadRequest, body_message
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
 from services.compiler.specs import to_spec
-from services.engine.grammar.backend import GrammarError
+from services.engine.grammar.backend import GrammarError, load_json_text
 from services.engine.params import KVPolicy, SamplingParams, StructuredOutput
 
+_TOKEN_ID = re.compile(r"^[0-9]{1,10}$")
 # alias field -> the StructuredOutput kind it means
 _ALIASES = {
     "guided_json": "json_schema",
@@ -146,9 +148,9 @@ def structured_from(body: Any) -> StructuredOutput | None:
     tag = kwargs.get("structural_tag")
     if isinstance(tag, str):  # (vLLM sends it as a JSON string)
         try:
-            tag = json.loads(tag)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise BadRequest(f"structural_tag: not valid JSON ({exc})", field) from exc
+            tag = load_json_text(tag, "structural_tag")
+        except GrammarError as exc:
+            raise BadRequest(str(exc), field) from exc
     if tag is not None:
         if not isinstance(tag, dict):
             raise BadRequest("structural_tag: must be a JSON object", field)
@@ -162,10 +164,10 @@ def structured_from(body: Any) -> StructuredOutput | None:
 def _logit_bias(body: Any) -> dict[int, float] | None:
     if not body.logit_bias:
         return None
-    try:
-        return {int(token): float(bias) for token, bias in body.logit_bias.items()}
-    except ValueError as exc:
-        raise BadRequest("logit_bias: keys must be token ids", "logit_bias") from exc
+    # decimal digits only: int() also takes "1_0" and "١٢"
+    if bad := next((t for t in body.logit_bias if not _TOKEN_ID.match(t)), None):
+        raise BadRequest(f"logit_bias: key {bad[:20]!r} is not a token id", "logit_bias")
+    return {int(token): float(bias) for token, bias in body.logit_bias.items()}
 
 
 def sampling_from(body: Any, max_tokens_cap: int) -> SamplingParams:

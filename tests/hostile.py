@@ -57,6 +57,23 @@ def _nested_arrays(depth: int) -> dict[str, Any]:
 DEEP = _nested_arrays(80)  # over the static limit on nesting (64)
 
 
+def chained_if_then(n: int = 31) -> dict[str, Any]:
+    """Within every static limit (2.4 KB at n=31): a short string to xgrammar, which ignores
+    `if`/`then`; to a validator, each level's `if` and `then` both name the next `$defs` entry,
+    so validating an output visits 2^n subschemas holding the GIL (~45 s at n=31; each further
+    level doubles it)."""
+
+    def both(i: int) -> dict[str, Any]:
+        return {"if": {"$ref": f"#/$defs/d{i}"}, "then": {"$ref": f"#/$defs/d{i}"}}
+
+    defs = {f"d{i}": both(i + 1) for i in range(1, n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"type": "string", "maxLength": 6, "$defs": defs, **both(1)}
+
+
+FREEZER = chained_if_then()
+
+
 @dataclass(frozen=True)
 class Case:
     name: str

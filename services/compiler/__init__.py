@@ -1,7 +1,6 @@
 """The grammar compile service: killable worker processes, limits, probe, verdict cache, tenants."""
 
 from services.compiler.build import build_provider
-from services.compiler.pool import WorkerPool
 from services.compiler.provider import ServiceGrammarProvider
 from services.compiler.service import CompilerConfig, CompileService
 
@@ -9,6 +8,5 @@ __all__ = [
     "CompileService",
     "CompilerConfig",
     "ServiceGrammarProvider",
-    "WorkerPool",
     "build_provider",
 ]

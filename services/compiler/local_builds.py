@@ -83,7 +83,9 @@ class LocalBuilds:
         probe_steps: int = PROBE_STEPS,
         threads: int = 2,
         refusal_ttl_s: float = 600.0,
+        share_inline: bool = False,  # verdicts shared between tenants (provider.py says why not)
     ) -> None:
+        self.share_inline = share_inline
         self.backends = backends
         self.limits = limits or GrammarLimits()
         backends.use_limits(self.limits)  # llguidance's parser limits
@@ -129,7 +131,7 @@ class LocalBuilds:
         """llguidance's verdict on the grammar: the tenant's own refusal first, then the shared
         verdict, else a build (after the static limits: raises `LimitExceeded`) and a probe."""
         gspec = to_spec(spec)
-        key = gspec.canonical()
+        key = self._key(gspec.canonical(), tenant)
         found = self._get(_scoped(key, tenant)) or self._get(key)
         if found is not None:
             return found
@@ -202,11 +204,14 @@ class LocalBuilds:
         """Refuses llguidance's grammar for the tenant from now on (its masks proved slow);
         under `auto` the tenant's next request with it goes to xgrammar."""
         try:
-            key = to_spec(spec).canonical()
+            key = self._key(to_spec(spec).canonical(), tenant)
         except (GrammarError, ValueError):
             return
         detail = str(error).removeprefix(f"structured.{spec.kind}: ")
         self._put_refusal(_scoped(key, tenant), Judged(_refused(error.reason, detail), None))
+
+    def _key(self, canonical: str, tenant: str) -> str:
+        return canonical if self.share_inline else f"{canonical}\x00scope:{tenant}"
 
     def _put_refusal(self, key: str, judged: Judged) -> None:
         self._put(key, replace(judged, expires=time.monotonic() + self.refusal_ttl_s))

@@ -23,11 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
 
 from grammar_registry.cache import LRUBytes, Verdict
 from grammar_registry.specs import GrammarSpec
@@ -35,6 +34,7 @@ from services import telemetry
 from services.compiler.dispatch import FairDispatcher
 from services.compiler.futures import done, failed, pipe, settle, then
 from services.compiler.local_builds import LocalBuilds
+from services.compiler.resolving import Resolved, VerdictSource, ended
 from services.compiler.service import raise_for
 from services.compiler.specs import schema_of, to_spec, to_structured
 from services.engine.grammar.backend import CompiledGrammar, GrammarError
@@ -47,29 +47,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BUSY_PAUSE_S = (0.05, 1.0)  # a parked load's first wait, doubling up to the second
-
-
-class _Resolved(NamedTuple):
-    compiled: CompiledGrammar
-    level: str  # the cache level that answered (families.CACHE_LEVELS)
-
-
-class VerdictSource(Protocol):
-    """The compile service, in-process or behind a deployment handle."""
-
-    def verdict(
-        self, spec: GrammarSpec, tenant: str = ..., scope: str = ..., fresh: bool = ...
-    ) -> Verdict: ...
-
-    def resolve(self, tenant: str, grammar_id: str) -> GrammarSpec: ...
-
-    def key(self, spec: GrammarSpec, scope: str = ...) -> str: ...
-
-    def downgrade(
-        self, spec: GrammarSpec, tenant: str, scope: str, reason: str, error: str
-    ) -> None: ...
-
-    def close(self) -> None: ...
+DOWNGRADE_KEPT_S = 600.0  # as long as the compile service keeps a refusal (failure_ttl_s)
 
 
 class _Load:
@@ -90,7 +68,7 @@ class _Load:
         self.deadline = time.monotonic() + provider.busy_wait_s
         self.pause = BUSY_PAUSE_S[0]
         self.waiters = 0  # callers whose futures are not cancelled; under the provider's lock
-        self.future: Future[_Resolved] = Future()
+        self.future: Future[Resolved] = Future()
 
     def run(self) -> float | None:
         return _within(self.parent, self.provider._attempt, self)
@@ -124,13 +102,20 @@ class ServiceGrammarProvider:
         busy_wait_s: float = 120.0,
         tenant_threads: int | None = None,  # default: half the threads
         local: LocalBuilds | None = None,  # llguidance grammars, built in this process
+        share_inline: bool = False,
     ) -> None:
+        # Inline grammars are cached per tenant unless `share_inline`: a shared cache would tell
+        # a tenant (by the time its request takes) which schemas another tenant just sent.
+        self.share_inline = share_inline
         self.backend = backend
         self.local = local
         self.service = service
         self._owns_service = owns_service
         self.busy_wait_s = busy_wait_s
         self.l1 = LRUBytes(l1_bytes)
+        # (key, tenant) -> (refusal, until): a tenant's downgrades, which an L1 hit must meet too
+        # (the entry may be another tenant's, compiled fine for it)
+        self._downgraded: dict[tuple[str, str], tuple[GrammarError, float]] = {}
         self.dispatcher = FairDispatcher(threads, tenant_threads or max(1, threads // 2))
         self._lock = threading.Lock()
         self._loading: dict[str, _Load] = {}
@@ -152,31 +137,31 @@ class ServiceGrammarProvider:
                 inner = self._submit(spec, tenant, parent)
         except Exception as exc:  # after `shutdown` too: the dispatcher takes no more tasks
             inner = failed(_grammar_error(exc, spec.kind))
-        return _ended(inner, span)
+        return ended(inner, span)
 
     def release(self, future: Future[CompiledGrammar]) -> None:
         """The caller stops waiting (its request left): the same as cancelling the future."""
         future.cancel()
 
-    def _submit(self, spec: StructuredOutput, tenant: str, parent: Any) -> Future[_Resolved]:
+    def _submit(self, spec: StructuredOutput, tenant: str, parent: Any) -> Future[Resolved]:
         gspec, scope = self._spec(spec, tenant)
         key = self.service.key(gspec, scope)
-        hit = self._l1(key)
+        hit = self._l1(key, tenant)
         if hit is not None:
-            return done(_Resolved(self._judge(hit, spec), "l1"))
+            return done(Resolved(self._judge(hit, spec), "l1"))
         return then(self._join(gspec, tenant, scope, key, parent), lambda r: self._judged(r, spec))
 
-    def _registered(self, so: StructuredOutput, tenant: str, parent: Any) -> Future[_Resolved]:
-        out: Future[_Resolved] = Future()
-        joined: list[Future[_Resolved]] = []
+    def _registered(self, so: StructuredOutput, tenant: str, parent: Any) -> Future[Resolved]:
+        out: Future[Resolved] = Future()
+        joined: list[Future[Resolved]] = []
 
         def look() -> None:
             try:
                 gspec, scope = self._spec(so, tenant)
                 key = self.service.key(gspec, scope)
-                hit = self._l1(key)
+                hit = self._l1(key, tenant)
                 found = (
-                    done(_Resolved(hit, "l1"))
+                    done(Resolved(hit, "l1"))
                     if hit is not None
                     else self._join(gspec, tenant, scope, key, parent)
                 )
@@ -190,7 +175,7 @@ class ServiceGrammarProvider:
 
         call = _Call(tenant, lambda: _within(parent, look), out)
 
-        def left(f: Future[_Resolved]) -> None:
+        def left(f: Future[Resolved]) -> None:
             if f.cancelled() and not self.dispatcher.cancel(call):
                 for found in joined:
                     found.cancel()
@@ -201,7 +186,7 @@ class ServiceGrammarProvider:
 
     def _join(
         self, spec: GrammarSpec, tenant: str, scope: str, key: str, parent: Any
-    ) -> Future[_Resolved]:
+    ) -> Future[Resolved]:
         """A future of the key's load (started when none is under way); cancelling it leaves."""
         with self._lock:
             load = self._loading.get(key)
@@ -210,7 +195,7 @@ class ServiceGrammarProvider:
                 self.dispatcher.submit(load)
                 self._loading[key] = load
             load.waiters += 1
-        mine: Future[_Resolved] = Future()
+        mine: Future[Resolved] = Future()
         pipe(load.future, mine)
         mine.add_done_callback(lambda f: self._leave(load) if f.cancelled() else None)
         return mine
@@ -252,13 +237,17 @@ class ServiceGrammarProvider:
         return None
 
     def _answer(
-        self, load: _Load, found: _Resolved | None = None, exc: BaseException | None = None
+        self, load: _Load, found: Resolved | None = None, exc: BaseException | None = None
     ) -> None:
         with self._lock:
             self._forget(load)
         settle(load.future, found, exc)
 
-    def _l1(self, key: str) -> CompiledGrammar | None:
+    def _l1(self, key: str, tenant: str) -> CompiledGrammar | None:
+        """The compiled grammar in this process; `GrammarError` for the tenant's downgrade."""
+        refused = self._downgraded.get((key, tenant))
+        if refused is not None and refused[1] > time.monotonic():
+            raise refused[0]
         hit: CompiledGrammar | None = self.l1.get(key)
         if hit is not None:
             self.stats["l1"] += 1
@@ -273,7 +262,7 @@ class ServiceGrammarProvider:
             warnings = loosened_keywords(gspec.source)
             if warnings:  # refused before any compile
                 raise fidelity_error(warnings)
-        return gspec, "shared"
+        return gspec, "shared" if self.share_inline else tenant
 
     @staticmethod
     def _judge(compiled: CompiledGrammar, so: StructuredOutput) -> CompiledGrammar:
@@ -281,10 +270,10 @@ class ServiceGrammarProvider:
             raise fidelity_error(compiled.warnings)
         return compiled
 
-    def _judged(self, found: _Resolved, so: StructuredOutput) -> _Resolved:
-        return _Resolved(self._judge(found.compiled, so), found.level)
+    def _judged(self, found: Resolved, so: StructuredOutput) -> Resolved:
+        return Resolved(self._judge(found.compiled, so), found.level)
 
-    def _loaded(self, load: _Load, verdict: Verdict) -> _Resolved:
+    def _loaded(self, load: _Load, verdict: Verdict) -> Resolved:
         """The compiled grammar the verdict allows (a `busy` one that outlasted `busy_wait_s`
         is a refusal like the others)."""
         spec, key = load.spec, load.key
@@ -306,7 +295,7 @@ class ServiceGrammarProvider:
         schema = schema_of(spec)
         compiled = CompiledGrammar(handle, list(verdict.warnings), schema)
         self.l1.put(key, compiled, int(handle.memory_size_bytes))
-        return _Resolved(compiled, level)
+        return Resolved(compiled, level)
 
     def _from_blob(self, verdict: Verdict, key: str) -> Any | None:
         if verdict.blob is None:
@@ -330,15 +319,24 @@ class ServiceGrammarProvider:
             return
         if spec.grammar_id is None:
             try:
-                self.l1.pop(self.service.key(to_spec(spec), "shared"))
+                gspec, scope = self._spec(spec, tenant)
             except (GrammarError, ValueError):
                 return  # it never compiled, so nothing holds it
+            self._refuse_here(self.service.key(gspec, scope), tenant, scope, error)
         self.dispatcher.submit(_Call(tenant, lambda: self._downgrade(spec, tenant, error)))
+
+    def _refuse_here(self, key: str, tenant: str, scope: str, error: GrammarError) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._downgraded = {k: v for k, v in self._downgraded.items() if v[1] > now}
+            self._downgraded[(key, tenant)] = (error, now + DOWNGRADE_KEPT_S)
+        if scope != "shared":  # a shared entry serves the other tenants still
+            self.l1.pop(key)
 
     def _downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
         try:
             gspec, scope = self._spec(spec, tenant)
-            self.l1.pop(self.service.key(gspec, scope))
+            self._refuse_here(self.service.key(gspec, scope), tenant, scope, error)
             detail = str(error).removeprefix(f"structured.{spec.kind}: ")
             self.service.downgrade(gspec, tenant, scope, error.reason, detail)
         except Exception:  # the cache keeps the old verdict: the next request meets it again
@@ -363,38 +361,15 @@ def _within(parent: Any, fn: Callable[..., T], *args: Any) -> T:
         otel_context.detach(token)
 
 
-def _compiled(found: _Resolved) -> CompiledGrammar:
+def _compiled(found: Resolved) -> CompiledGrammar:
     return found.compiled
 
 
-def _built(compiled: CompiledGrammar) -> _Resolved:
-    return _Resolved(compiled, "compiled")
+def _built(compiled: CompiledGrammar) -> Resolved:
+    return Resolved(compiled, "compiled")
 
 
 def _grammar_error(exc: Exception, kind: str) -> GrammarError:
     if isinstance(exc, GrammarError):
         return exc
     return GrammarError(f"structured.{kind}: {exc!r}"[:300], reason="invalid")
-
-
-def _ended(inner: Future[_Resolved], span: Span) -> Future[CompiledGrammar]:
-    """The compiled grammar of `inner`; ends the resolve span with its level and outcome."""
-
-    def end_span(f: Future[_Resolved]) -> None:
-        try:
-            if f.cancelled():
-                span.set_attribute(spans.GRAMMAR_OUTCOME, "cancelled")
-            elif f.exception() is None:
-                span.set_attribute(spans.CACHE_LEVEL, f.result().level)
-                span.set_attribute(spans.GRAMMAR_BACKEND, f.result().compiled.backend)
-                span.set_attribute(spans.GRAMMAR_OUTCOME, "ok")
-            else:
-                exc = f.exception()
-                span.set_attribute(spans.GRAMMAR_OUTCOME, getattr(exc, "reason", "error"))
-                span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
-            span.end()
-        except Exception:  # telemetry never fails a grammar
-            log.debug("grammar span failed", exc_info=True)
-
-    inner.add_done_callback(end_span)  # first: the span has ended when the caller hears
-    return then(inner, lambda r: r.compiled)

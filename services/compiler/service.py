@@ -30,9 +30,9 @@ from grammar_registry.tenants import (
     RegistrationStore,
 )
 from services import telemetry
-from services.compiler.pool import WorkerPool
 from services.compiler.probe import PROBE_STEPS
 from services.engine.grammar.backend import GrammarError
+from services.sandbox import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,8 @@ class CompileService:
             if self._pool is None:
                 cfg = self.config
                 info = self.tokenizer_info.serialize_json()
-                self._pool = WorkerPool(info, cfg.workers, cfg.worker_memory_bytes)
+                setup = {"tokenizer_json": info}
+                self._pool = WorkerPool("compile", setup, cfg.workers, cfg.worker_memory_bytes)
             return self._pool
 
     def key(self, spec: GrammarSpec, scope: str = "shared") -> str:
@@ -158,20 +159,39 @@ class CompileService:
         key = self.key(spec, scope)
         mine = f"{key}:tenant:{tenant}"
         if not fresh:
-            # the tenant's own refusal first: a runtime downgrade overrides a shared "ok"
-            for k in (mine, key):
-                level, cached = "recent", self.recent.get(k)
-                if cached is None:
-                    level, cached = "redis", self.verdicts.get(k)
-                if cached is not None:
-                    self._remember(k, cached)
-                    return _answered(cached, level)
+            # A downgrade the tenant's decoding showed overrides a shared "ok"; a compile that
+            # crashed or ran out of time under load is the tenant's answer only until someone's
+            # compile of it has a verdict of its own.
+            for k in (_downgraded(key, tenant), key, mine):
+                found = self._cached(k)
+                if found is not None:
+                    return found
+        for _ in range(2):  # a joiner of a compile that crashed compiles on its own, once
+            verdict, joined = self._single_flight(spec, tenant, key, mine)
+            if not (joined and verdict.reason in LOAD_DEPENDENT):
+                break
+        return verdict
+
+    def _cached(self, key: str) -> Verdict | None:
+        level, cached = "recent", self.recent.get(key)
+        if cached is None:
+            level, cached = "redis", self.verdicts.get(key)
+        if cached is None:
+            return None
+        self._remember(key, cached)
+        return _answered(cached, level)
+
+    def _single_flight(
+        self, spec: GrammarSpec, tenant: str, key: str, mine: str
+    ) -> tuple[Verdict, bool]:
+        """The verdict of one compile of `key`: ours, or (joined: True) that of the caller
+        compiling it now."""
         with self._lock:
             running = self._inflight.get(key)
             if running is None:
                 busy = self._over_capacity(tenant)
                 if busy:
-                    return Verdict(ok=False, reason="busy", error=busy)
+                    return Verdict(ok=False, reason="busy", error=busy), False
                 running = self._inflight[key] = Future()
                 self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
                 owner = True
@@ -179,15 +199,25 @@ class CompileService:
                 owner = False
         if not owner:  # the same grammar is compiling for another caller: its answer
             shared = running.result()
-            return shared if shared.reason in _NOT_CACHED else _answered(shared, "compiled")
+            return (shared if shared.reason in _NOT_CACHED else _answered(shared, "compiled")), True
         try:
-            verdict = self._compile(spec, tenant)
-            if verdict.reason not in _NOT_CACHED:
+            verdict, judged = self._compile(spec, tenant), True
+            if verdict.reason in ("crash", "timeout"):  # maybe the load, not the grammar: again
+                # (on the worker that replaces the one killed, once it is up: it was this
+                # tenant's restart, so it waits for it rather than taking the reserve)
+                again = self._compile(spec, tenant)
+                if again.reason in _NOT_CACHED:  # no second try: the answer, but not a verdict
+                    judged = False
+                else:
+                    verdict = again
+            if judged and verdict.reason not in _NOT_CACHED:
                 where = mine if verdict.reason in LOAD_DEPENDENT else key
                 self.verdicts.put(where, verdict)
                 self._remember(where, verdict)
             running.set_result(verdict)
-            return verdict if verdict.reason in _NOT_CACHED else _answered(verdict, "compiled")
+            return (
+                verdict if verdict.reason in _NOT_CACHED else _answered(verdict, "compiled")
+            ), False
         except BaseException as exc:
             running.set_exception(exc)
             raise
@@ -201,7 +231,7 @@ class CompileService:
     ) -> None:
         """Replaces the tenant's verdict with a refusal that decoding showed (masks over the
         budget): kept for the tenant that met it only, like every load-dependent refusal."""
-        mine = f"{self.key(spec, scope)}:tenant:{tenant}"
+        mine = _downgraded(self.key(spec, scope), tenant)
         verdict = Verdict(ok=False, reason=reason, error=error)
         self.verdicts.put(mine, verdict)
         self._remember(mine, verdict)
@@ -299,6 +329,11 @@ class CompileService:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+
+
+def _downgraded(key: str, tenant: str) -> str:
+    """Where a tenant's downgrade (a refusal its decoding showed) is kept."""
+    return f"{key}:tenant:{tenant}:downgraded"
 
 
 def _answered(verdict: Verdict, level: str) -> Verdict:

@@ -28,6 +28,8 @@ def to_spec(so: StructuredOutput) -> GrammarSpec:
             return GrammarSpec(kind=grammar_syntax(so), source=so.grammar)  # type: ignore[arg-type]
         if so.structural_tag is not None:
             return GrammarSpec(kind="structural_tag", source=so.structural_tag)
+    except GrammarError:  # names its field already
+        raise
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise GrammarError(f"structured.{so.kind}: {exc}") from exc
     raise GrammarError(f"structured.{so.kind}: names a registered grammar, not a spec")

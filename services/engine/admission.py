@@ -6,12 +6,10 @@ the vocabulary; every refusal names the field and the limit.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from services.engine import tool_format
 from services.engine.params import KVPolicy
 from services.engine.request import Request
 
@@ -82,25 +80,6 @@ def tokenize(tokenizer: Any, prompt: Prompt, max_chars: int) -> list[int]:
         return [int(t) for t in prompt]
     except (TypeError, ValueError) as exc:
         raise ValueError("prompt: token ids must be integers") from exc
-
-
-def chat_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], max_chars: int, **options: Any
-) -> list[int]:
-    """`options`: the template's (`add_generation_prompt`, `continue_final_message`, `tools`,
-    and any keyword the template reads). A template that takes no tools gets them, and past
-    calls and results, as text (`tool_format`)."""
-    check_chars(sum(len(json.dumps(m)) for m in messages), "messages", max_chars)
-    options.setdefault("add_generation_prompt", True)
-    if not tool_format.template_takes_tools(tokenizer):
-        messages = tool_format.fallback_messages(messages, options.pop("tools", None))
-    try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, **options)
-    except Exception as exc:  # the template's own checks (roles, their order) raise
-        raise ValueError(f"messages: the chat template refused them ({exc})"[:300]) from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 def refusal(req: Request, lim: Limits) -> str | None:

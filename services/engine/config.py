@@ -49,6 +49,11 @@ class EngineConfig:
     mask_budget_ms: float = 20.0
     mask_strikes: float = 3.0
     validation_timeout_s: float = 1.0  # JSON output validation; later: validated=False
+    # Work a tenant's input steers (validating outputs against its schema, rendering the chat
+    # template over its messages) runs in this many killable worker processes per kind, each
+    # job under its deadline (services/sandbox). 0: in this process, no deadline (the plain twin).
+    sandbox_workers: int = 2
+    template_timeout_s: float = 5.0
     max_prompt_chars: int | None = None  # None: 32 characters per token of max_model_len
     # Weighted fair shares between tenants (services/engine/fairness.py); False: arrival order.
     # `tenant_weights`: tenant -> weight, 1 for any tenant not named.
@@ -100,7 +105,10 @@ class EngineConfig:
         check_name("grammar_backend", self.grammar_backend)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory: must be a positive number of bytes")
-        for name in ("mask_budget_ms", "mask_strikes", "validation_timeout_s"):
+        if self.sandbox_workers < 0:
+            raise ValueError("sandbox_workers: must be >= 0")
+        timeouts = ("validation_timeout_s", "template_timeout_s")
+        for name in ("mask_budget_ms", "mask_strikes", *timeouts):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:

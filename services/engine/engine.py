@@ -26,6 +26,7 @@ from services.engine import admission, isolation
 from services.engine import logits as logits_processors
 from services.engine.admission import Prompt
 from services.engine.boundary import Boundary, RequestError
+from services.engine.chat_template import ChatRenderer
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.grammar.manager import Failure, GrammarManager
@@ -77,7 +78,9 @@ class LLMEngine:
             mask_budget_ms=config.mask_budget_ms,
             mask_strikes=config.mask_strikes,
             validation_timeout_s=config.validation_timeout_s,
+            sandbox_workers=config.sandbox_workers,
         )
+        self.chat = ChatRenderer(self.tokenizer, config.sandbox_workers, config.template_timeout_s)
         self.boundary = Boundary(self._fail)
         self.grammars.check = self.check_fault
         self.requests: dict[str, Request] = {}
@@ -115,9 +118,8 @@ class LLMEngine:
         return admission.tokenize(self.tokenizer, prompt, self.limits.max_prompt_chars)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
-        """The chat template applied and tokenized, after the same character cap; `options`
-        go to the template (`add_generation_prompt`, `continue_final_message`, ...)."""
-        return admission.chat_ids(self.tokenizer, messages, self.limits.max_prompt_chars, **options)
+        """The model's template, bounded and tokenized (chat_template.py); thread-safe too."""
+        return self.chat.ids(messages, self.limits.max_prompt_chars, **options)
 
     def add_request(
         self,

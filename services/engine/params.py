@@ -25,6 +25,8 @@ _STRUCTURED_KINDS = (
     "grammar_id",
 )
 
+MAX_TOP_K = (1 << 31) - 1  # an int32 on the device; any value past the vocabulary is "off"
+
 
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")  # services/engine/grammar/backends.py
 
@@ -149,8 +151,10 @@ class SamplingParams:
             raise ValueError(f"temperature: must be in [0, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k: must be >= 0, or -1 (0 and -1 disable it), got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(
+                f"top_k: must be in [0, {MAX_TOP_K}], or -1 (0 and -1 disable it), got {self.top_k}"
+            )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if not (0.0 <= self.min_p <= 1.0):

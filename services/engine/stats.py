@@ -119,7 +119,11 @@ class EngineStats:
             prefix = self.engine.scheduler.prefix
             if prefix is None:
                 return []
-            return [(n, {"tenant": t}) for t, n in dict(getattr(prefix, counter)).items()]
+            counts: dict[str, int] = {}
+            for t, n in dict(getattr(prefix, counter)).items():
+                label = self.tel.tenant(t).get("tenant", "")
+                counts[label] = counts.get(label, 0) + n
+            return [(n, {"tenant": t} if t else {}) for t, n in counts.items()]
 
         return source
 

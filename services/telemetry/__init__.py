@@ -73,6 +73,9 @@ class TelemetrySettings:
     # this process takes trace context from clients (the ingress): their `sampled` flag is a
     # claim, not an order; the decision is ours, at `sampling_ratio`
     edge: bool = False
+    # metric series labelled by tenant (requests, 429s, prefix-cache tokens); off: summed over
+    # tenants, so whoever scrapes learns no tenant's traffic (spans and logs still name it)
+    tenant_labels: bool = False
 
 
 class OwnDice(Sampler):
@@ -173,6 +176,10 @@ class Telemetry:
     @property
     def enabled(self) -> bool:
         return self.settings.enabled
+
+    def tenant(self, tenant: str) -> dict[str, str]:
+        """The `tenant` label of a metric point, when the operator asked for tenant labels."""
+        return {"tenant": tenant} if self.settings.tenant_labels else {}
 
     # -- trace context across processes ------------------------------------------------------
 

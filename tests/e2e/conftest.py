@@ -22,6 +22,7 @@ from e2e_support import (
     wait_healthy,
 )
 
+from deployments import local_ray
 from deployments.config import (
     GrammarServiceConfig,
     IngressConfig,
@@ -31,25 +32,23 @@ from deployments.config import (
 )
 from deployments.tenants import digest
 
+# Ray as `structserve serve` runs it (listeners on loopback, token auth on): set before any test
+# module imports ray, which reads its auth mode on import
+local_ray.environment()
+
 
 @pytest.fixture(scope="session")
 def proxy():
-    """The Ray session and Serve's HTTP proxy: (base URL, serve module)."""
+    """The Ray session and Serve's HTTP proxy: (base URL, serve module). Ray starts as
+    `structserve serve` starts it: its listeners on loopback, token auth on."""
     import ray
     from ray import serve
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray's processes inherit the environment at ray.init; this process gets its own back after,
     # so the tests that follow in it see no metrics token
     before = os.environ.get("STRUCTSERVE_METRICS_TOKEN")
     os.environ["STRUCTSERVE_METRICS_TOKEN"] = METRICS_TOKEN
-    ray.init(
-        include_dashboard=False,
-        num_cpus=2,
-        object_store_memory=200 << 20,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    local_ray.start(num_cpus=2, object_store_memory=200 << 20, log_to_driver=False)
     if before is None:
         del os.environ["STRUCTSERVE_METRICS_TOKEN"]
     else:
@@ -85,7 +84,10 @@ def server(proxy, otlp):
         ingress=IngressConfig(num_replicas=2, body_timeout_s=3.0),
         # two workers each: one is kept for tenants with no compile running
         grammar=GrammarServiceConfig(workers=2, deadline_s=5.0, num_replicas=2),
-        telemetry=TelemetryConfig(otlp_endpoint=otlp.url, export_interval_s=1.0),
+        # tenant labels on: the observability tests follow each tenant's series (the default is off)
+        telemetry=TelemetryConfig(
+            otlp_endpoint=otlp.url, export_interval_s=1.0, tenant_labels=True
+        ),
         tenants=[
             TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)]),
             TenantConfig(name="tenant-b", api_key_sha256=[digest(KEY_B)]),

@@ -191,7 +191,7 @@ def test_an_unloadable_blob_is_ignored_and_replaced(backend, service, provider, 
     foreign = xgr.GrammarCompiler(other).compile_regex(spec.source).serialize_json()
     store = RedisVerdicts(rclient, secret=SECRET.encode())
     for blob in (zlib.compress(foreign.encode()), b"not zlib at all"):
-        key = service.key(spec)
+        key = service.key(spec, "default")  # an inline grammar: the tenant's own scope
         store.put(key, Verdict(ok=True, blob=blob, blob_bytes=len(blob)))
         provider.l1 = type(provider.l1)(provider.l1.max_bytes)  # a fresh replica's L1...
         service.recent = type(service.recent)(service.recent.max_bytes)  # ... and service
@@ -285,7 +285,10 @@ def test_pathological_grammars_are_refused_in_time(name, so, reason, provider, s
         assert good.result() is not None  # a concurrent well-behaved grammar still compiles
     assert err.value.reason == reason, str(err.value)
     assert 400 <= err.value.status < 500
-    assert elapsed <= DEADLINE_S + 1.0, f"{name}: verdict after {elapsed:.1f} s"
+    # a timeout is tried again, on the worker that replaces the one killed, before it is a
+    # verdict (it may have been another tenant's load): two deadlines and a worker's start
+    bound = 2 * DEADLINE_S + 20.0 if reason == "timeout" else DEADLINE_S + 1.0
+    assert elapsed <= bound, f"{name}: verdict after {elapsed:.1f} s"
     assert service.pool.wait_ready(60)  # killed workers were replaced
 
 
@@ -295,8 +298,8 @@ def test_load_dependent_refusals_are_not_shared_between_tenants(service):
     before = service.compiles
     assert service.verdict(spec, "tenant-x").reason == "timeout"  # remembered for x...
     assert service.compiles == before
-    service.verdict(spec, "tenant-y")  # ... but y's request is compiled on its own
-    assert service.compiles == before + 1
+    service.verdict(spec, "tenant-y")  # ... but y's request is compiled on its own (twice)
+    assert service.compiles == before + 2
     assert service.pool.wait_ready(60)
 
 

@@ -1,7 +1,7 @@
 """Compile worker processes: how they start, how a pool that cannot start them answers, how they
 die with their parent, and the mask-time probe past forced text.
 
-The workers run our own entry point (`python -m services.compiler.worker`), so they must work for
+The workers run our own entry point (`python -m services.sandbox.worker`), so they must work for
 any caller: a script without a main guard, a script read from stdin.
 """
 
@@ -22,9 +22,10 @@ import xgrammar as xgr
 
 from grammar_registry import GrammarSpec
 from grammar_registry.limits import GrammarLimits, check_limits
-from services.compiler import CompilerConfig, CompileService, WorkerPool
+from services.compiler import CompilerConfig, CompileService
 from services.compiler.worker import compile_job
 from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.sandbox import WorkerPool
 
 ROOT = Path(__file__).resolve().parents[2]
 YEAR = "(19|20)[0-9]{2}"
@@ -114,9 +115,9 @@ def test_workers_die_with_their_parent_even_mid_compile(info, tmp_path):
     script = textwrap.dedent(f"""
         import json, os, signal, threading, time
         from pathlib import Path
-        from services.compiler import WorkerPool
+        from services.sandbox import WorkerPool
         here = Path({str(tmp_path)!r})
-        pool = WorkerPool((here / "info.json").read_text(), 1)
+        pool = WorkerPool("compile", {{"tokenizer_json": (here / "info.json").read_text()}}, 1)
         assert pool.wait_ready(120)
         job = json.loads((here / "job.json").read_text())
         threading.Thread(target=pool.run, args=(job, 600.0, 1.0), daemon=True).start()
@@ -152,7 +153,7 @@ def test_workers_die_with_their_parent_even_mid_compile(info, tmp_path):
 
 def test_a_pool_that_cannot_start_workers_says_why_at_once(info):
     # 64 MiB of address space: the worker cannot even build the backend (torch alone maps more).
-    pool = WorkerPool(info, 1, memory_bytes=64 << 20)
+    pool = WorkerPool("compile", {"tokenizer_json": info}, 1, memory_bytes=64 << 20)
     try:
         start = time.monotonic()
         first = pool.run(_job("[a-z]+"), deadline_s=10, wait_s=120)
@@ -172,7 +173,7 @@ def test_a_pool_that_cannot_start_workers_says_why_at_once(info):
 
 def test_a_missing_interpreter_is_named(info, monkeypatch):
     monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
-    pool = WorkerPool(info, 1)
+    pool = WorkerPool("compile", {"tokenizer_json": info}, 1)
     try:
         out = pool.run(_job("[a-z]+"), deadline_s=10, wait_s=30)
         assert out["reason"] == "unavailable", out

@@ -72,12 +72,15 @@ def get(local: LocalBuilds, service: Service, spec: StructuredOutput, tenant: st
 
 
 def test_a_verdict_is_kept_per_grammar_and_records_its_backend(make):
-    local = make("auto")
+    local = make("auto", share_inline=True)
     service = Service(local)
     spec = StructuredOutput(json_schema=PLAIN)
     first = get(local, service, spec)
     assert first.backend == "llguidance" and local.builds == 1
     assert get(local, service, spec, "b") is first and local.builds == 1  # shared, not rebuilt
+    own = make("auto")  # the default: each tenant's inline grammars are its own
+    mine = get(own, Service(own), spec)
+    assert get(own, Service(own), spec, "b") is not mine and own.builds == 2
     judged = local.verdict(spec, "a")
     assert judged.verdict.ok and judged.verdict.backend == "llguidance"
     assert judged.verdict.mask_ms > 0 and not service.calls

@@ -53,7 +53,8 @@ def redis_url(db: int = DB) -> str:
 @pytest.fixture(scope="module")
 def tel():
     exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
-    t = Telemetry(TelemetrySettings(), "test", span_exporter=exporter, metric_readers=[reader])
+    settings = TelemetrySettings(tenant_labels=True)  # these tests follow each tenant's series
+    t = Telemetry(settings, "test", span_exporter=exporter, metric_readers=[reader])
     previous = telemetry.install(t)
     yield SimpleNamespace(telemetry=t, spans=exporter, reader=reader)
     telemetry.install(previous)

@@ -19,11 +19,12 @@ import xgrammar as xgr
 
 from grammar_registry import GrammarSpec, Verdict
 from services import SamplingParams, StructuredOutput
-from services.compiler import CompilerConfig, CompileService, ServiceGrammarProvider, WorkerPool
-from services.compiler import pool as pool_module
+from services.compiler import CompilerConfig, CompileService, ServiceGrammarProvider
 from services.engine.grammar import GrammarError
 from services.engine.grammar.manager import GrammarManager
 from services.engine.request import Request, RequestStatus
+from services.sandbox import WorkerPool
+from services.sandbox import pool as pool_module
 
 
 class FakeBackend:
@@ -284,7 +285,7 @@ class FakeWorker:
     restart_gate = threading.Event()
     starts = 0
 
-    def __init__(self, tokenizer_json: str, memory_bytes: int) -> None:
+    def __init__(self, role: str, setup: dict[str, Any], memory_bytes: int) -> None:
         self.conn = FakeConn()
         self.proc = SimpleNamespace(pid=0)
 
@@ -308,7 +309,7 @@ def fake_workers(monkeypatch):
 
 
 def test_a_tenant_with_a_compile_in_flight_cannot_take_the_last_worker(fake_workers):
-    pool = WorkerPool("{}", workers=2, memory_bytes=0)
+    pool = WorkerPool("compile", {}, workers=2, memory_bytes=0)
     try:
         assert pool.wait_ready(5)
         hold = threading.Event()
@@ -331,7 +332,7 @@ def test_a_tenant_whose_compiles_time_out_pays_for_the_restart(fake_workers, per
     config = CompilerConfig(
         workers=2, deadline_s=0.2, queue_wait_s=0.3, max_inflight_per_tenant=per_tenant
     )
-    pool = WorkerPool("{}", workers=2, memory_bytes=0)
+    pool = WorkerPool("compile", {}, workers=2, memory_bytes=0)
     service = CompileService(xgr.TokenizerInfo(["a", "b", "c"]), config, pool=pool)
     try:
         assert pool.wait_ready(5)

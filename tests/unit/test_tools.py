@@ -181,18 +181,16 @@ def test_a_template_that_takes_tools_gets_them_as_they_are(tokenizer):
     """A template that reads `tools` renders them itself: no system prompt of ours."""
     import copy
 
-    from services.engine.admission import chat_ids
+    from services.engine.chat_template import ChatRenderer
 
     native = copy.deepcopy(tokenizer)
     native.chat_template = (
         "{% for t in tools %}<tool>{{ t.function.name }}</tool>{% endfor %}"
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     )
-    ids = chat_ids(native, [{"role": "user", "content": "hi"}], 10_000, tools=TOOLS)
-    text = native.decode(ids)
+    hi = [{"role": "user", "content": "hi"}]
+    text = native.decode(ChatRenderer(native, workers=0).ids(hi, 10_000, tools=TOOLS))
     assert text.startswith("<tool>get_weather</tool><tool>now</tool>user: hi")
     assert "<tools>" not in text
-    fallback = tokenizer.decode(
-        chat_ids(tokenizer, [{"role": "user", "content": "hi"}], 10_000, tools=TOOLS)
-    )
+    fallback = tokenizer.decode(ChatRenderer(tokenizer, workers=0).ids(hi, 10_000, tools=TOOLS))
     assert "<tools>" in fallback and '"name": "get_weather"' in fallback

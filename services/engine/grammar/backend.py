@@ -6,6 +6,7 @@ tokens, fills its row of the next-token bitmask, rolls back, and says when it ha
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,6 +32,36 @@ class GrammarError(ValueError):
         return (type(self), (str(self), self.reason, self.status))
 
 
+MAX_JSON_TEXT_DEPTH = 128  # past the grammar limits' 64: those name the limit, this only guards
+
+
+def load_json_text(text: str, field: str) -> Any:
+    """A JSON document sent as a string (vLLM's clients send schemas and tags so), or a
+    `GrammarError` naming `field`: not JSON, nested past `MAX_JSON_TEXT_DEPTH` (every later walk
+    of it recurses), or holding a lone surrogate escape (`"\\ud800"`: no UTF-8 encoder takes it,
+    so every later step would fail on it)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise GrammarError(f"{field}: not valid JSON ({str(exc)[:100]})") from exc
+    stack, deepest = [(value, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_TEXT_DEPTH:
+            raise GrammarError(f"{field}: nested deeper than {MAX_JSON_TEXT_DEPTH} levels")
+        children = (
+            node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        )
+        stack.extend((child, depth + 1) for child in children)
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        bad = f"\\u{ord(exc.object[exc.start]):04x}"
+        raise GrammarError(f"{field}: holds a lone surrogate ({bad}), which is not text") from exc
+    return value
+
+
 @dataclass
 class CompiledGrammar:
     """What a backend compiled, plus what it could not enforce."""
@@ -38,8 +69,8 @@ class CompiledGrammar:
     handle: Any
     warnings: list[str] = field(default_factory=list)
     schema: dict[str, Any] | None = None  # for validating JSON outputs after decoding
-    # built from `schema` on first use (grammar/validation.py); the exception if it could not be
-    validator: Any = field(default=None, repr=False, compare=False)
+    # `schema` as JSON text, made on its first validation (grammar/validation.py)
+    schema_text: str | None = field(default=None, repr=False, compare=False)
     backend: str = "xgrammar"  # the backend whose handle this is (grammar/backends.py)
 
 

@@ -72,6 +72,7 @@ class GrammarManager:
         mask_budget_ms: float = 20.0,
         mask_strikes: float = 3.0,
         validation_timeout_s: float = 1.0,
+        sandbox_workers: int = 2,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -88,7 +89,7 @@ class GrammarManager:
         self._whitespace: dict[int, bool] = {}
         self._mask_budget_s = mask_budget_ms / 1000
         self._mask_strikes = mask_strikes
-        self.validator = OutputValidator(validation_timeout_s)
+        self.validator = OutputValidator(validation_timeout_s, sandbox_workers)
         # (stage, request) -> raises to fail it: the engine's fault injector, a no-op otherwise
         self.check: Callable[[str, Request], None] = _no_check
         self.slow_mask_failures = 0
@@ -345,7 +346,7 @@ class GrammarManager:
         if compiled is None or compiled.schema is None or req.finish_reason in ("error", "abort"):
             return False
         req.validation = self.validator.submit(
-            compiled, req.detokenizer.text, lambda: self.check("validate", req)
+            compiled, req.detokenizer.text, lambda: self.check("validate", req), req.tenant
         )
         return True
 

@@ -14,6 +14,7 @@ from services.engine.grammar.backend import (
     GrammarError,
     allocate_bitmask,
     apply_bitmask,
+    load_json_text,
 )
 from services.engine.grammar.fidelity import loosened_in_tag, loosened_keywords
 from services.engine.grammar.finish import bounded
@@ -35,10 +36,7 @@ def schema_dict(schema: dict[str, Any] | str | type) -> dict[str, Any]:
     if isinstance(schema, dict):
         return schema
     if isinstance(schema, str):
-        try:
-            loaded = json.loads(schema)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise GrammarError(f"structured.json_schema: not valid JSON ({exc})") from exc
+        loaded = load_json_text(schema, "structured.json_schema")
         if not isinstance(loaded, dict):
             raise GrammarError("structured.json_schema: must be a JSON object")
         return loaded

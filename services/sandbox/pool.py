@@ -1,13 +1,15 @@
-"""A bounded pool of long-lived compile worker processes, each killed and replaced on a deadline.
+"""A bounded pool of long-lived worker processes of one role, each killed and replaced on a
+deadline.
 
-xgrammar cannot be cancelled, so the only safe deadline is a process boundary: the caller waits on
+Neither xgrammar's compiles, nor jsonschema-rs' validation, nor a Jinja render can be cancelled
+(the last two hold the GIL), so the only safe deadline is a process boundary: the caller waits on
 the worker's socket for at most the deadline, then SIGKILLs it and a replacement starts in the
-background. A restart is charged to the tenant whose compile caused it: until the replacement is
-up, it counts as one of that tenant's compiles in flight. With two workers or more, the last idle
-one is kept for a tenant with nothing in flight, so one tenant's slow compiles never make another
-tenant's grammar wait for a worker.
+background. A restart is charged to the tenant whose job caused it: until the replacement is up,
+it counts as one of that tenant's jobs in flight. With two workers or more, the last idle one is
+kept for a tenant with nothing in flight, so one tenant's slow jobs never make another tenant's
+wait for a worker.
 
-Workers run `python -m services.compiler.worker`, our own entry point: multiprocessing's spawn
+Workers run `python -m services.sandbox.worker`, our own entry point: multiprocessing's spawn
 would re-import the caller's `__main__` (a script without a main guard, or `python -`, kills every
 worker at start), and fork would copy the parent's threads and torch state.
 """
@@ -32,11 +34,13 @@ from services import settings
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 120.0  # a cold start imports xgrammar and torch
+START_TIMEOUT_S = 120.0  # a cold compile worker imports xgrammar and torch
 RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # backoff between failed starts; the last one repeats
 ERROR_CHARS = 300  # of a failed start's stderr, in the refusal
+STALL_GRACE_S = 10.0  # a job this long past its deadline means the pool is stuck
 
 T = TypeVar("T")
+ACTIVITY = {"compile": "compiling"}  # what "nothing ..." says of a tenant with no job running
 
 
 class _Spawner:
@@ -55,7 +59,7 @@ class _Spawner:
             # not alive after a fork too: the child process starts its own thread
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
-                    target=self._loop, name="compile-worker-spawner", daemon=True
+                    target=self._loop, name="sandbox-worker-spawner", daemon=True
                 )
                 self._thread.start()
             self._calls.append((fn, fut))
@@ -95,13 +99,14 @@ _PYTHON_FLAGS = ["-P"] if sys.version_info >= (3, 11) else []
 class _Worker:
     """One worker process and its end of a socketpair, pickled messages both ways."""
 
-    def __init__(self, tokenizer_json: str, memory_bytes: int) -> None:
-        self._setup = {"tokenizer_json": tokenizer_json, "memory_bytes": memory_bytes}
+    def __init__(self, role: str, setup: dict[str, Any], memory_bytes: int) -> None:
+        self.role = role
+        self._setup = {**setup, "role": role, "memory_bytes": memory_bytes}
         # Start-up errors (an import failing, the memory cap) land here; after its `ready` the
         # worker points fd 2 at a capture file of its own.
         self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed once started)
         mine, theirs = socket.socketpair()
-        argv = [sys.executable, *_PYTHON_FLAGS, "-m", "services.compiler.worker"]
+        argv = [sys.executable, *_PYTHON_FLAGS, "-m", "services.sandbox.worker"]
         argv += [str(theirs.fileno()), str(os.getpid())]
         try:
             self.proc = _SPAWNER.call(
@@ -124,8 +129,8 @@ class _Worker:
 
     def start(self, timeout: float) -> str:
         """'' once the worker is ready, else why it is not (its stderr tail, or how it ended)."""
-        # The tokenizer info (megabytes) blocks the send until the child reads it: one timer
-        # bounds the send and the handshake together.
+        # A big setup (a compile worker's tokenizer info: megabytes) blocks the send until the
+        # child reads it: one timer bounds the send and the handshake together.
         timer = threading.Timer(timeout, self.proc.kill)
         timer.start()
         began = time.monotonic()
@@ -142,7 +147,7 @@ class _Worker:
         try:  # it is usually exiting already: let it, so its own exit status is the one reported
             self.proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
-            log.debug("compile worker %d still running after a failed start", self.proc.pid)
+            log.debug("%s worker %d still running after a failed start", self.role, self.proc.pid)
         self.kill()
         code = self.proc.returncode
         ended = f"exit status {code}" if code is None or code >= 0 else f"killed by signal {-code}"
@@ -156,7 +161,7 @@ class _Worker:
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:  # unkillable (D state): leave it, never hang here
-            log.warning("compile worker %d did not exit after SIGKILL", self.proc.pid)
+            log.warning("%s worker %d did not exit after SIGKILL", self.role, self.proc.pid)
         self.conn.close()
 
 
@@ -176,15 +181,25 @@ def _tail(stderr: IO[bytes], ended: str) -> str:
 
 
 class WorkerPool:
-    def __init__(self, tokenizer_json: str, workers: int = 2, memory_bytes: int = 4 << 30) -> None:
-        self._tokenizer_json = tokenizer_json
+    """`role`: what the workers do (worker.ROLES); `setup`: what each worker is started with."""
+
+    def __init__(
+        self,
+        role: str,
+        setup: dict[str, Any] | None = None,
+        workers: int = 2,
+        memory_bytes: int = 4 << 30,
+    ) -> None:
+        self.role = role
+        self._setup = setup or {}
         self._memory = memory_bytes
         self._cond = threading.Condition()
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()  # starting, idle or busy: close() kills them all
         self._busy = 0
-        self._running: dict[str, int] = {}  # tenant -> workers compiling for it
-        self._restarting: dict[str, int] = {}  # tenant -> replacements its compiles caused
+        self._due: dict[_Worker, float] = {}  # busy worker -> when its job's deadline passes
+        self._running: dict[str, int] = {}  # tenant -> workers busy with its jobs
+        self._restarting: dict[str, int] = {}  # tenant -> replacements its jobs caused
         self.charged_s: dict[str, float] = {}  # tenant -> worker restart seconds charged to it
         self._start_error = ""  # why the last start failed; '' after one succeeded
         self._closed = False
@@ -200,19 +215,20 @@ class WorkerPool:
         return self._start_error
 
     def in_flight(self, tenant: str) -> int:
-        """The tenant's compiles on a worker, plus the restarts its compiles caused."""
+        """The tenant's jobs on a worker, plus the restarts its jobs caused."""
         with self._cond:
             return self._running.get(tenant, 0) + self._restarting.get(tenant, 0)
 
     def restarting(self, tenant: str) -> int:
-        """Workers starting again after the tenant's compile ran out of time or crashed."""
+        """Workers starting again after the tenant's job ran out of time or crashed."""
         with self._cond:
             return self._restarting.get(tenant, 0)
 
     def _start_one(self, charged: str | None = None) -> None:
-        threading.Thread(
-            target=self._keep_starting, args=(charged,), name="compile-worker-start", daemon=True
-        ).start()
+        name = f"{self.role}-worker-start"
+        start = threading.Thread(target=self._keep_starting, args=(charged,), name=name)
+        start.daemon = True
+        start.start()
 
     def _keep_starting(self, charged: str | None = None) -> None:
         attempt, logged, began = 0, "", time.monotonic()
@@ -241,14 +257,14 @@ class WorkerPool:
                 self._start_error = error
                 self._cond.notify_all()  # callers waiting for a worker are answered now
             if error != logged:  # once per distinct failure, not once per retry
-                log.error("compile worker failed to start, retrying: %s", error)
+                log.error("%s worker failed to start, retrying: %s", self.role, error)
                 logged = error
             self._sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
             attempt += 1
 
     def _try_start(self) -> tuple[_Worker | None, str]:
         try:
-            worker = _Worker(self._tokenizer_json, self._memory)
+            worker = _Worker(self.role, self._setup, self._memory)
         except OSError as exc:  # no interpreter, no fds, no memory to fork
             return None, f"could not run {sys.executable}: {exc}"
         with self._cond:
@@ -266,14 +282,15 @@ class WorkerPool:
             while not self._free_for(tenant):
                 # No worker can free up: answer now rather than after `wait_s`.
                 if not self._idle and self._start_error and self._busy == 0:
-                    error = f"compile workers cannot start: {self._start_error}"
+                    error = f"{self.role} workers cannot start: {self._start_error}"
                     return {"ok": False, "reason": "unavailable", "error": error}
                 left = end - time.monotonic()
                 if self._closed or left <= 0:
                     error = (
-                        "the last free compile worker is kept for tenants with nothing compiling"
+                        f"the last free {self.role} worker is kept for tenants with nothing "
+                        f"{ACTIVITY.get(self.role, 'in flight')}"
                         if self._idle
-                        else "no compile worker free"
+                        else f"no {self.role} worker free"
                     )
                     return {"ok": False, "reason": "busy", "error": f"{error}; try later"}
                 self._cond.wait(left)
@@ -292,23 +309,25 @@ class WorkerPool:
         self, job: dict[str, Any], deadline_s: float, wait_s: float, tenant: str = "default"
     ) -> dict[str, Any]:
         """The worker's answer, or a refusal: `busy` when no worker frees up for `tenant` within
-        `wait_s`, `unavailable` at once when workers cannot start, `timeout` when the compile
+        `wait_s`, `unavailable` at once when workers cannot start, `timeout` when the job
         runs past `deadline_s`, `crash` when the worker dies (its restart charged to `tenant`)."""
         worker = self._take(wait_s, tenant)
         if isinstance(worker, dict):
             return worker
         self.jobs += 1
+        with self._cond:
+            self._due[worker] = time.monotonic() + deadline_s
         try:
             worker.conn.send(job)
             if worker.conn.poll(deadline_s):
                 result: dict[str, Any] = worker.conn.recv()
                 self._give_back(worker, tenant, keep=True)
-                for line in result.pop("log", []):
-                    log.debug("xgrammar: %s", line)
+                for line in result.pop("log", []):  # what the worker's libraries printed
+                    log.debug("%s worker: %s", self.role, line)
                 return result
-            reason, error = "timeout", f"compile exceeded its {deadline_s:g} s deadline"
+            reason, error = "timeout", f"{self.role} exceeded its {deadline_s:g} s deadline"
         except Exception:  # EOF, a broken pipe, an unreadable reply: the worker is not trusted
-            reason, error = "crash", "the compile worker died (memory cap or a backend fault)"
+            reason, error = "crash", f"the {self.role} worker died (memory cap or a backend fault)"
         self.kills += 1
         self._give_back(worker, tenant, keep=False)
         worker.kill()
@@ -317,6 +336,7 @@ class WorkerPool:
 
     def _give_back(self, worker: _Worker, tenant: str, keep: bool) -> None:
         with self._cond:
+            self._due.pop(worker, None)
             self._busy -= 1
             _count(self._running, tenant, -1)
             if not keep:  # in the same breath: the tenant's count never dips before its charge
@@ -327,6 +347,18 @@ class WorkerPool:
                 self._cond.notify_all()
             else:
                 self._all.discard(worker)
+
+    def stalled(self, grace_s: float = STALL_GRACE_S) -> str:
+        """Why no job can make progress now ('' when one can): workers that cannot start, or a
+        job `grace_s` past its deadline and still not killed (for health checks)."""
+        with self._cond:
+            now = time.monotonic()
+            late = [due for due in self._due.values() if now > due + grace_s]
+            if late:
+                return f"a {self.role} job is {now - min(late):.0f} s past its deadline"
+            if self._start_error and not self._idle and not self._busy:
+                return f"{self.role} workers cannot start: {self._start_error}"
+            return ""
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> bool:
         """True once every worker is up (for tests and start-up checks)."""
@@ -342,6 +374,38 @@ class WorkerPool:
             self._cond.notify_all()
         for worker in workers:
             worker.kill()
+
+
+class LazyPool:
+    """A `WorkerPool` started on its first job (most engines never validate or render), closed
+    with its owner."""
+
+    def __init__(self, role: str, setup: dict[str, Any], workers: int, memory_bytes: int) -> None:
+        self._args = (role, setup, workers, memory_bytes)
+        self._pool: WorkerPool | None = None
+        self._lock = threading.Lock()
+
+    def run(self, job: dict[str, Any], deadline_s: float, wait_s: float, tenant: str) -> dict:
+        with self._lock:
+            if self._pool is None:
+                self._pool = WorkerPool(*self._args)
+            pool = self._pool
+        return pool.run(job, deadline_s, wait_s, tenant)
+
+    def stalled(self) -> str:
+        pool = self._pool
+        return pool.stalled() if pool is not None else ""
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def __del__(self) -> None:  # an owner dropped without closing: its workers go with it
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
 
 
 def _count(counts: dict[str, int], tenant: str, delta: int) -> None:

@@ -1,0 +1,124 @@
+"""JSON validation against a tenant's schema, where it cannot freeze anything.
+
+The schema is the tenant's: it may hold keywords the grammar does not enforce (`not`, `if`/`then`,
+`pattern` inside them, unresolvable `$ref`s). `jsonschema-rs` (Rust) runs patterns without
+catastrophic backtracking and agrees with every MaskBench label when formats are checked, but it
+holds the GIL while it validates, and in-place applicators chained through `$ref`s cost it 2^N
+subschema visits (31 `$defs`, each `if` and `then` naming the next: minutes). So validation runs
+in `validate` worker processes (sandbox/pool.py) that a deadline kills; `SchemaValidator` is the
+caller's side. `workers=0` validates in the calling process (the plain twin, no deadline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jsonschema_rs
+
+from services.sandbox.pool import LazyPool
+
+Verdict = tuple[bool, str | None]  # (validated, why not)
+Check = tuple[str, str]  # (the schema as JSON text, the output text)
+VALIDATORS_KEPT = 64  # per worker: built once per schema, most recently used kept
+
+
+def first_line(exc: Any) -> str:
+    text = str(getattr(exc, "message", None) or exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+class Validators:
+    """Validators built from schema texts, the most recently used kept; a schema that cannot be
+    used is remembered as its exception (the next output is refused as quickly)."""
+
+    def __init__(self, keep: int = VALIDATORS_KEPT) -> None:
+        self._keep = keep
+        self._built: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def verdict(self, schema: str, text: str) -> Verdict:
+        try:
+            validator = self._validator(schema)
+        except ValueError as exc:
+            return False, f"schema could not be used to validate: {exc}"
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            return False, f"output failed validation: not JSON ({first_line(exc)})"
+        error = next(iter(validator.iter_errors(value)), None)
+        if error is not None:
+            return False, f"output failed validation: {first_line(error)}"
+        return True, None
+
+    def _validator(self, schema: str) -> Any:
+        key = hashlib.sha256(schema.encode()).hexdigest()
+        with self._lock:
+            built = self._built.get(key)
+            if built is not None:
+                self._built.move_to_end(key)
+        if built is None:
+            try:
+                built = jsonschema_rs.validator_for(json.loads(schema), validate_formats=True)
+            except Exception as exc:  # unresolvable $ref, an invalid keyword value, ...
+                built = exc
+            with self._lock:
+                self._built[key] = built
+                while len(self._built) > self._keep:
+                    self._built.popitem(last=False)
+        if isinstance(built, Exception):
+            raise ValueError(first_line(built)) from built
+        return built
+
+
+def handler(setup: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The `validate` role (sandbox/worker.py): a job is `checks`, a list of (schema, text)."""
+    validators = Validators()
+
+    def handle(job: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "verdicts": [validators.verdict(s, t) for s, t in job["checks"]]}
+
+    return handle
+
+
+def schema_text(schema: dict[str, Any]) -> str:
+    """A schema as the JSON text a validator is built from (and keyed by)."""
+    return json.dumps(schema, separators=(",", ":"), sort_keys=True)
+
+
+class SchemaValidator:
+    """`check` validates outputs against their schemas in a worker within `timeout_s`, waiting up
+    to `wait_s` for a free worker (started on first use). A worker that runs past the deadline is
+    killed, its restart charged to the tenant whose check it was; two workers or more keep one
+    for tenants with nothing in flight."""
+
+    def __init__(
+        self,
+        workers: int = 2,
+        timeout_s: float = 1.0,
+        wait_s: float = 30.0,
+        memory_bytes: int = 1 << 30,
+    ) -> None:
+        self.workers, self.timeout_s, self.wait_s = workers, timeout_s, wait_s
+        self._pool = LazyPool("validate", {}, workers, memory_bytes)
+        self._local = Validators() if workers == 0 else None
+
+    def check(self, checks: Sequence[Check], tenant: str = "default") -> list[Verdict]:
+        """One verdict per (schema, text); blocks for at most `wait_s` + `timeout_s`."""
+        if self._local is not None:
+            return [self._local.verdict(s, t) for s, t in checks]
+        out = self._pool.run({"checks": list(checks)}, self.timeout_s, self.wait_s, tenant)
+        if out.get("ok"):
+            return [(bool(ok), why) for ok, why in out["verdicts"]]
+        if out.get("reason") == "timeout":
+            why = f"output validation did not finish within {self.timeout_s:g} s"
+        else:
+            why = f"output validation failed: {out.get('error', 'no worker')}"[:300]
+        return [(False, why)] * len(checks)
+
+    def close(self) -> None:
+        self._pool.close()
