@@ -81,12 +81,13 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--http", action="store_true", help="the HTTP classes (containment_http.py)")
     ap.add_argument("--senders", type=int, default=2, help="--http: hostile connections")
+    ap.add_argument("--rate", type=float, default=5.0, help="--http: requests/s per connection")
     args = ap.parse_args()
     if args.http:
         import containment_http
 
         wanted = set(filter(None, args.cases.split(",")))
-        containment_http.run(args.tokens, args.repeats, args.senders, wanted)
+        containment_http.run(args.tokens, args.repeats, args.senders, args.rate, wanted)
         return
     RESULTS.mkdir(exist_ok=True)
     loaded = load_model()

@@ -88,7 +88,11 @@ class Gate:
         """400 for a prompt over the replicas' `max_prompt_chars`, counted as they count it,
         before it crosses to one."""
         if self._prompt_chars is None:
-            limits = await self.llm.limits.remote()
+            try:
+                limits = await self.llm.limits.remote()
+            except Exception as exc:  # no replica to ask: none to send the prompt to either
+                message = "the model replica is unavailable; try again"
+                raise ApiError(503, message, retry_after=1) from exc
             self._prompt_chars = int(limits["max_prompt_chars"])
         cap = self._prompt_chars
         if messages is not None:

@@ -19,18 +19,22 @@ from typing import Any
 SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def environment() -> None:
+def environment() -> bool:
     """The environment Ray reads for both: before `ray` is first imported (it reads its auth
-    mode then) and before it starts (its processes, and the replicas they start, inherit it)."""
+    mode then) and before it starts (its processes, and the replicas they start, inherit it).
+    True when it changed anything."""
+    before = dict(os.environ)
     os.environ[SINGLE_MACHINE] = "0"
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if os.environ["RAY_AUTH_MODE"] == "token" and not os.environ.get("RAY_AUTH_TOKEN"):
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    return dict(os.environ) != before
 
 
 def start(**init_kwargs: Any) -> None:
     """`ray.init` for one machine: every Ray listener on loopback, token auth on."""
-    environment()
+    if environment() and "ray" in sys.modules:  # it would not send the token it starts with
+        raise RuntimeError("call deployments.local_ray.environment() before importing ray")
     import ray
 
     init_kwargs.setdefault("include_dashboard", False)

@@ -243,6 +243,12 @@ def test_every_ray_listener_is_on_loopback(server):
     loopback = ("127.", "::1", "::ffff:127.")
     exposed = [x for x in listening if not x[1].startswith(loopback)]
     assert not exposed, exposed
+    # and on loopback, Ray's job route (code execution) asks for the run's token
+    agent = [port for name, _, port in listening if "DashboardAgent" in name and port == 52365]
+    if agent:
+        job = {"entrypoint": "echo owned"}
+        r = requests.post("http://127.0.0.1:52365/api/job_agent/jobs/", json=job, timeout=30)
+        assert r.status_code == 401, r.text[:200]
 
 
 def test_metrics_answer_no_one_without_the_token(server):

@@ -255,3 +255,17 @@ def test_metric_series_name_tenants_only_when_asked(labels):
     else:
         assert points == {(("route", "chat"), ("status", "200")): 2}
     tel.shutdown()
+
+
+# -- errors in the OpenAI shape ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [(409, "invalid_request_error"), (413, "invalid_request_error"), (503, "service_unavailable")],
+)
+def test_every_status_has_the_error_type_its_class_means(status, kind):
+    from deployments.answers import error_response
+
+    body = json.loads(error_response(ApiError(status, "name: 'x' is already registered")).body)
+    assert body["error"]["type"] == kind  # a 409 (a name taken) is the client's, not ours
