@@ -56,15 +56,17 @@ def build_job(args: argparse.Namespace) -> dict:
     from structured import pick_schemas
     from transformers import AutoTokenizer
 
-    from services.engine.admission import chat_ids
+    from services.engine.chat_template import ChatRenderer
     from services.models.loader import resolve_model_dir
 
     _, model_dir = resolve_model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
+    renderer = ChatRenderer(tok, workers=0)  # the model's template, rendered in this process
+
     def chat(text: str) -> list[int]:
-        return chat_ids(tok, [{"role": "user", "content": text}], 1 << 30)
+        return renderer.ids([{"role": "user", "content": text}], 1 << 30)
 
     cap = args.max_tokens
     workloads: dict[str, list[dict]] = {}
