@@ -199,7 +199,7 @@ def deploy(port: int) -> str:
 
     from deployments.app import build_app
     from deployments.cli import wait_healthy
-    from deployments.config import ServiceConfig, TenantConfig, TenantLimits
+    from deployments.service_config import ServiceConfig, TenantConfig, TenantLimits
     from deployments.tenants import digest
 
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + "/8"

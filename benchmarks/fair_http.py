@@ -256,7 +256,7 @@ def deploy(port: int) -> str:
 
     from deployments.app import build_app
     from deployments.cli import wait_healthy
-    from deployments.config import (
+    from deployments.service_config import (
         GrammarServiceConfig,
         IngressConfig,
         LLMConfig,

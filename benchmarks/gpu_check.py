@@ -1,4 +1,4 @@
-"""The prepared device check (issue 22): CUDA correctness and speed at realistic sizes, one run.
+"""The prepared device check: CUDA correctness and speed at realistic sizes, one run.
 
 Steps, one JSON key each:
   1. the CUDA tests (`pytest -k cuda` over the test files that mention CUDA; on CPU they skip);

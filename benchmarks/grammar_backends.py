@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from grammar_registry.limits import GrammarLimits, check_limits  # noqa: E402
 from services.compiler.probe import PROBE_STEPS, probe_masks  # noqa: E402
-from services.compiler.specs import to_spec  # noqa: E402
-from services.engine.grammar.backend import GrammarError  # noqa: E402
-from services.engine.grammar.backends import Backends  # noqa: E402
-from services.engine.grammar.xgrammar_backend import XGrammarBackend  # noqa: E402
-from services.engine.params import StructuredOutput  # noqa: E402
+from services.grammar.backend import GrammarError  # noqa: E402
+from services.grammar.backends import Backends  # noqa: E402
+from services.grammar.canonical import to_spec  # noqa: E402
+from services.grammar.structured import StructuredOutput  # noqa: E402
+from services.grammar.xgrammar_backend import XGrammarBackend  # noqa: E402
 from services.models import load_model  # noqa: E402
 
 MASKBENCH = ROOT.parent / "shared" / "data" / "maskbench"

@@ -51,7 +51,7 @@ def build(redis_url: str, workers: int, deadline_s: float) -> tuple[Any, Any, An
     import redis
 
     from services.compiler import CompilerConfig, CompileService, ServiceGrammarProvider
-    from services.engine.grammar.xgrammar_backend import XGrammarBackend
+    from services.grammar.xgrammar_backend import XGrammarBackend
     from services.models import load_model
 
     loaded = load_model()
@@ -76,8 +76,8 @@ def time_to_first_mask(backend: Any, provider: Any, so: Any) -> float:
 def replica(args: argparse.Namespace) -> None:
     """The second process: Redis-warm, LRU-warm and cold, per schema, as JSON lines on stdout."""
     from grammar_registry.cache import LRUBytes
-    from services.engine.grammar import GrammarError
-    from services.engine.params import StructuredOutput
+    from services.grammar import GrammarError
+    from services.grammar.structured import StructuredOutput
 
     backend, service, provider = build(args.redis_url, 1, args.deadline)
     for name, schema in load_schemas(args.limit):
@@ -102,7 +102,7 @@ def replica(args: argparse.Namespace) -> None:
 
 
 def pathological() -> list[tuple[str, Any]]:
-    from services.engine.params import StructuredOutput
+    from services.grammar.structured import StructuredOutput
 
     node: dict = {"type": "string"}
     for _ in range(200):
@@ -162,9 +162,9 @@ def main() -> None:
         grammar_backends.run(args.limit, 32)
         return
 
-    from services.compiler.specs import to_spec
-    from services.engine.grammar import GrammarError
-    from services.engine.params import StructuredOutput
+    from services.grammar import GrammarError
+    from services.grammar.canonical import to_spec
+    from services.grammar.structured import StructuredOutput
 
     _, service, provider = build(args.redis_url, args.workers, args.deadline)
     service.verdicts.client.flushdb()

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services import LLM, SamplingParams, StructuredOutput
-from services.engine.grammar import GrammarError
+from services.grammar import GrammarError
 from services.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--plain",
         action="store_true",
-        help="no bounds on numbers, no repeat guard (services/engine/grammar/finish.py)",
+        help="no bounds on numbers, no repeat guard (services/grammar/finish.py)",
     )
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--backend", default="xgrammar", choices=("xgrammar", "llguidance", "auto"))

@@ -167,7 +167,7 @@ def deploy(port: int, caching: bool, replicas: int, pool_pages: int, routing: st
 
     from deployments.app import build_app
     from deployments.cli import wait_healthy
-    from deployments.config import (
+    from deployments.service_config import (
         IngressConfig,
         LLMConfig,
         RoutingConfig,

@@ -106,7 +106,7 @@ def instrument(llm: LLM) -> Phases:
     from transformers import AttentionInterface
 
     import kvcache.attention as attention
-    import services.engine.isolation as isolation
+    import services.engine.failures as failures
     import services.engine.model_runner as model_runner
 
     engine, phases = llm.engine, Phases()
@@ -117,7 +117,7 @@ def instrument(llm: LLM) -> Phases:
     phases.wrap(engine.runner, forward, "model forward (rest)")
     phases.wrap(attention, "paged_attention_forward", "attention")  # registered again, wrapped
     AttentionInterface.register(attention.ATTN_IMPLEMENTATION, attention.paged_attention_forward)
-    phases.wrap(isolation, "sample", "sampling")
+    phases.wrap(failures, "sample", "sampling")
     phases.wrap(engine, "_update", "token update and detokenization")
     phases.wrap(engine.grammars, "start_masks", "masks")
     phases.wrap(engine.grammars, "apply_masks", "masks")

@@ -184,7 +184,12 @@ def deploy(telemetry: bool) -> None:
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import GrammarServiceConfig, LLMConfig, ServiceConfig, TelemetryConfig
+    from deployments.service_config import (
+        GrammarServiceConfig,
+        LLMConfig,
+        ServiceConfig,
+        TelemetryConfig,
+    )
 
     cfg = ServiceConfig(
         llm=LLMConfig(engine={"kv_cache_memory": 512 << 20}, max_ongoing_requests=64),

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.engine.grammar.fidelity import loosened_keywords
+from services.grammar.fidelity import loosened_keywords
 
 MASKBENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench"
 

@@ -15,10 +15,10 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from deployments.config import Backpressure, RoutingConfig, ServiceConfig
 from deployments.grammar_service import GrammarService
 from deployments.ingress import Ingress
 from deployments.replica import LLMReplica
+from deployments.service_config import Backpressure, RoutingConfig, ServiceConfig
 from deployments.telemetry_hub import TelemetryHub
 from services import settings
 

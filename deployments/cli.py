@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deployments.config import ServiceConfig
+from deployments.service_config import ServiceConfig
 from services import settings
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"

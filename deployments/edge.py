@@ -64,9 +64,9 @@ class BodyLimits:
 def screen(raw: bytes, lim: BodyLimits) -> None:
     """400 for a body with more than `max_messages` messages, nested past `max_depth` or with
     more than `max_values` JSON values: a cost pydantic (and every walk after it) would pay in
-    full before refusing. The messages are counted first, without building them (msgspec: 6 ms
-    for 110k empty messages, where parsing them takes 76). Text that is not JSON passes:
-    pydantic's error names what is wrong."""
+    full before refusing. The messages are counted first, without building them (msgspec
+    leaves each one as raw bytes: far cheaper than parsing a body of many). Text that is not
+    JSON passes: pydantic's error names what is wrong."""
     try:
         counted = _COUNT_MESSAGES.decode(raw).messages
     except (msgspec.DecodeError, RecursionError):  # not JSON, not a list: pydantic says so

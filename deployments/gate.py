@@ -16,9 +16,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from deployments.answers import ApiError
-from deployments.config import ServiceConfig
 from deployments.edge import BodyLimits, read_body, refuse_control_headers
 from deployments.quota import Lease, LimitError
+from deployments.service_config import ServiceConfig
 from deployments.tenants import AuthError, AuthUnavailable, NeverFits, Tenants
 
 

@@ -15,16 +15,20 @@ from typing import Any
 from opentelemetry.trace import Status, StatusCode
 from pydantic import SecretStr
 
-from deployments.config import ServiceConfig
+from deployments.service_config import ServiceConfig
 from deployments.telemetry_hub import setup
 from grammar_registry.cache import Verdict
+from grammar_registry.registrations import RegistrationError
 from grammar_registry.specs import GrammarSpec
-from grammar_registry.tenants import RegistrationError
 from services import settings, telemetry
 from services.compiler import CompilerConfig, CompileService
-from services.compiler.specs import to_spec
-from services.engine.grammar.backend import GrammarError
-from services.engine.params import StructuredOutput
+from services.compiler.service import CompileSettings
+from services.grammar.backend import GrammarError
+from services.grammar.backends import from_folder
+from services.grammar.canonical import to_spec
+from services.grammar.structured import StructuredOutput
+from services.grammar.xgrammar_backend import XGrammarBackend
+from services.models import resolve_model_dir
 from services.telemetry import spans
 
 log = logging.getLogger(__name__)
@@ -42,23 +46,11 @@ def redis_client(url: str | None) -> Any | None:
     return redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
 
 
-def grammar_backend(config: ServiceConfig) -> Any:
-    """The served model's grammar backend, built exactly as the engine builds it, from the
-    tokenizer and configs only (no weights)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from services.engine.grammar.xgrammar_backend import XGrammarBackend
-    from services.models import eos_token_ids, resolve_model_dir
-
+def grammar_backend(config: ServiceConfig) -> XGrammarBackend:
+    """The served model's xgrammar backend, built as the engine builds it (`for_model`), from
+    the tokenizer and configs only (no weights)."""
     _, folder = resolve_model_dir(config.model)
-    tok = AutoTokenizer.from_pretrained(folder)
-    hf = AutoConfig.from_pretrained(folder)
-    try:
-        gen = GenerationConfig.from_pretrained(folder)
-    except OSError:
-        gen = None
-    stop = sorted(eos_token_ids(gen, hf, tok))
-    return XGrammarBackend(tok, int(hf.vocab_size), stop)
+    return from_folder(str(folder)).xgrammar
 
 
 class GrammarService:
@@ -67,13 +59,9 @@ class GrammarService:
         self.tel = setup(cfg, "GrammarService", hub)
         g = cfg.grammar
         compiler = CompilerConfig(
-            workers=g.workers,
+            **{name: getattr(g, name) for name in CompileSettings.model_fields},
             # one tenant never holds every worker: the others always have one to compile on
             max_inflight_per_tenant=max(1, g.workers // 2),
-            deadline_s=g.deadline_s,
-            mask_budget_ms=g.mask_budget_ms,
-            limits=g.limits,
-            caps=g.caps,
             verdict_secret=SecretStr(secret) if (secret := settings.verdict_secret()) else None,
         )
         backend = grammar_backend(cfg)

@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import grammar_api, openapi, tools
 from deployments.answers import ApiError, cancel, collect, engine_refusal, error_response, sse
-from deployments.config import ServiceConfig
 from deployments.edge import ReleasingStream, check_metrics_token
 from deployments.gate import Gate
 from deployments.grammar_api import GrammarRegistration, raise_for
@@ -40,6 +39,7 @@ from deployments.protocol import (
     new_id,
     template_options,
 )
+from deployments.service_config import ServiceConfig
 from deployments.telemetry_hub import scraped, setup
 from deployments.tenants import Tenants
 from deployments.translate import sampling_from, screen

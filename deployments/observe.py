@@ -1,6 +1,6 @@
 """The ingress's view of one request: its server span, its counters and its log line.
 
-`Observer.start()` opens the request when it arrives (the W3C context from the client's
+`observe()` opens the request (a `RequestObs`) when it arrives (the W3C context from the client's
 `traceparent` header becomes the parent); the ingress fills in the tenant and the body as it learns
 them and calls `finish()` once, with the HTTP status, when the answer is complete (a stream: when
 its last event is sent). `carrier` is the trace context to pass through deployment handles.

@@ -67,7 +67,7 @@ class StructuredOutputs(_Body):
     whitespace_pattern: str | None = None  # refused: xgrammar takes no whitespace regex
     disable_any_whitespace: Bool = False  # compact JSON
     disable_additional_properties: Bool = False
-    # ours: outputs that finish (services/engine/grammar/finish.py); set to turn them off
+    # ours: outputs that finish (services/grammar/finish.py); set to turn them off
     bound_numbers: Bool = True
     max_repeat_run: Int | None = Field(default=128, ge=8)
     # ours: pins a grammar backend (else the service's `grammar_backend`)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.config import TenantLimits
+from deployments.service_config import TenantLimits
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,17 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from deployments import logprobs
-from deployments.config import ServiceConfig
+from deployments.grammar_service import RemoteVerdicts
+from deployments.service_config import ServiceConfig
 from deployments.telemetry_hub import setup
+from services.compiler.local_builds import LocalBuilds
+from services.compiler.service_provider import ServiceGrammarProvider
 from services.engine.async_llm import AsyncLLM
 from services.engine.engine import LLMEngine
 from services.engine.params import RequestOutput, SamplingParams
 from services.engine.stats import EngineStats
+from services.grammar.backends import Backends
+from services.grammar.provider import GrammarProvider, ProviderFactory
 from services.telemetry import spans
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,22 @@ def delta_dict(out: RequestOutput, text: logprobs.TokenText) -> dict[str, Any]:
     }
 
 
+def service_provider(cfg: ServiceConfig, grammar_handle: Any) -> ProviderFactory:
+    """The replica's grammars: xgrammar's verdicts from the GrammarService (shared by every
+    replica, through Redis), llguidance's built here (they do not serialize)."""
+
+    def make(backends: Backends) -> GrammarProvider:
+        xgrammar = backends.xgrammar
+        remote = RemoteVerdicts(grammar_handle, xgrammar.tokenizer_info)
+        share = cfg.grammar.share_inline_cache
+        local = LocalBuilds(
+            backends, cfg.grammar.limits, cfg.grammar.mask_budget_ms, share_inline=share
+        )
+        return ServiceGrammarProvider(xgrammar, remote, local=local, share_inline=share)
+
+    return make
+
+
 class LLMReplica:
     def __init__(
         self, config: dict[str, Any], grammar_handle: Any | None = None, hub: Any | None = None
@@ -76,23 +97,16 @@ class LLMReplica:
         cfg = ServiceConfig.model_validate(config)
         self.tel = setup(cfg, "LLMReplica", hub)
         weights = cfg.llm.engine.tenant_weights or {t.name: t.weight for t in cfg.tenants}
-        engine = replace(cfg.llm.engine, model=cfg.model, tenant_weights=weights)
-        self.engine = LLMEngine(engine)
-        self.stats = EngineStats(self.engine, self.tel)
+        # the mask budget is the grammar config's: the probe admits by it, decoding holds to it
+        budget = cfg.grammar.mask_budget_ms
+        engine = replace(
+            cfg.llm.engine, model=cfg.model, tenant_weights=weights, mask_budget_ms=budget
+        )
+        provider = None
         if grammar_handle is not None:
-            from deployments.grammar_service import RemoteVerdicts
-            from services.compiler import ServiceGrammarProvider
-            from services.compiler.local_builds import LocalBuilds
-
-            backends = self.engine.grammars.backend
-            xgrammar = backends.xgrammar
-            remote = RemoteVerdicts(grammar_handle, xgrammar.tokenizer_info)
-            share = cfg.grammar.share_inline_cache
-            local = LocalBuilds(
-                backends, cfg.grammar.limits, cfg.grammar.mask_budget_ms, share_inline=share
-            )
-            provider = ServiceGrammarProvider(xgrammar, remote, local=local, share_inline=share)
-            self.engine.grammars.use_provider(provider)
+            provider = service_provider(cfg, grammar_handle)
+        self.engine = LLMEngine(engine, grammar_provider=provider)
+        self.stats = EngineStats(self.engine, self.tel)
         self.llm = AsyncLLM(self.engine)
         self.token_text = logprobs.TokenText(self.engine.tokenizer)
         self.model_name = cfg.served_model_name

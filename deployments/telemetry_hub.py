@@ -17,7 +17,7 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from deployments.config import ServiceConfig, TelemetryConfig
+from deployments.service_config import ServiceConfig, TelemetryConfig
 from services import telemetry
 from services.telemetry.snapshot import Aggregator, Family
 

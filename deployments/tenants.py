@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deployments.config import TENANT_NAME, ServiceConfig, TenantLimits
 from deployments.quota import LEASE_S, Lease, Quota
+from deployments.service_config import TENANT_NAME, ServiceConfig, TenantLimits
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.protocol import ChatCompletionRequest, NamedToolChoice
-from services.engine.grammar.finish import bounded
 from services.engine.tool_format import END, TRIGGER, call_begin
+from services.grammar.finish import bounded
 from services.sandbox.validate import SchemaValidator, schema_text
 
 _HEAD = re.compile(r'^\n\{"name": "([A-Za-z0-9_.-]{1,64})", "arguments": ')
@@ -49,7 +49,7 @@ def _schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 def _constrained(parameters: dict[str, Any] | None) -> dict[str, Any]:
     """What the arguments are held to: the schema, with its numbers bounded
-    (services/engine/grammar/finish.py)."""
+    (services/grammar/finish.py)."""
     return bounded(_schema(parameters))
 
 

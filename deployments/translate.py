@@ -16,9 +16,10 @@ from typing import Any
 from deployments import tools
 from deployments.protocol import BadRequest, body_message
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
-from services.compiler.specs import to_spec
-from services.engine.grammar.backend import GrammarError, load_json_text
-from services.engine.params import KVPolicy, SamplingParams, StructuredOutput
+from services.engine.params import KVPolicy, SamplingParams
+from services.grammar.backend import GrammarError, load_json_text
+from services.grammar.canonical import to_spec
+from services.grammar.structured import StructuredOutput
 
 _TOKEN_ID = re.compile(r"^[0-9]{1,10}$")
 # alias field -> the StructuredOutput kind it means

@@ -2,8 +2,8 @@
 
 from grammar_registry.cache import LRUBytes, RedisVerdicts, Verdict
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
+from grammar_registry.registrations import RegistrationCaps, RegistrationError, RegistrationStore
 from grammar_registry.specs import GrammarOptions, GrammarSpec, grammar_key
-from grammar_registry.tenants import RegistrationCaps, RegistrationError, RegistrationStore
 
 __all__ = [
     "GrammarLimits",

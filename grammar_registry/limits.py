@@ -41,7 +41,7 @@ class GrammarLimits(BaseModel):
     max_length_bound: int = Field(default=100_000, ge=1)  # maxLength / maxItems ... values
     max_grammar_bytes: int = Field(default=64 << 10, ge=1)  # EBNF / Lark text
     max_tags: int = Field(default=64, ge=1)  # structural-tag tags / triggers
-    # llguidance's parser limits (services/engine/grammar/llguidance_backend.py). It computes
+    # llguidance's parser limits (services/grammar/llguidance_backend.py). It computes
     # masks lazily, so these bound the work after admission, each mask and each token: lexer
     # fuel (~14k a ms) and Earley items (~20k a ms) per mask keep one mask near the 20 ms mask
     # budget; fuel to build the lexer's regexes (~50k a ms); lexer states a grammar may build
@@ -110,7 +110,7 @@ def _check_regex(pattern: str, limits: GrammarLimits, path: str) -> None:
 
 def _check_repeats(text: str, limits: GrammarLimits, path: str) -> None:
     """The largest counted repetition, multiplied through enclosing groups: `(.{0,50}){0,50}`
-    is 2500 repetitions of `.`, the shape that costs xgrammar ~100 ms per mask."""
+    is 2500 repetitions of `.`, the shape whose masks cost xgrammar the most."""
     worst = _nested_repeat(text)
     if worst > limits.max_repeat:
         raise LimitExceeded("max_repeat", worst, limits.max_repeat, path)

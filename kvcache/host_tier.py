@@ -1,7 +1,7 @@
 """The KV host tier's copy arena: device KV pages parked in host memory, read back per layer.
 
 For a Quest request with offload on, the device keeps the sink, recent and hot pages; the rest is
-parked here and the cells a step selects are read back (issue 7). This module holds the bytes and
+parked here and the cells a step selects are read back. This module holds the bytes and
 the copies; who holds which slot is `kvcache.host_slots` (this store is one), and the engine
 decides what to park and owns the device pages (`services/engine/kv_offload.py`).
 

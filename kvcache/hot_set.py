@@ -3,8 +3,8 @@ most recently, kept on the device (an LRU per layer and head).
 
 Why per layer and head. Quest picks pages per layer and per KV head. Over 30 layers x 3 heads
 nearly every page of a context is somebody's pick each step, so a hot set of whole pages (every
-layer of a page) mostly holds layers that do not read them: measured, only 17-34 % of the pages
-read were on the device. So the hot set is made of cells: the request owns `H` pool pages, and
+layer of a page) mostly holds layers that do not read them: only a small share of the pages read
+would be on the device. So the hot set is made of cells: the request owns `H` pool pages, and
 cell `(layer, head, way j)` is that layer and head of pool page `pages[j]`. Each layer and KV head
 keeps in its `H` ways the parked pages it selected most recently. Device memory is `H` pages, as a
 hot set of `H` whole pages would take, and every layer and head has `H` ways of its own.
@@ -14,8 +14,8 @@ read of the misses). `route_into` turns one layer's selection into where each ch
 from (a pool cell for resident pages, hits and the misses it keeps; the host tier for misses) and
 which ways the misses fill, as index rows of a `LayerRoute`; the attention function does the
 copies (`kvcache.tier_read.read_tiered`). Two implementations of one LRU: `NativeHotSet`
-(arrays, routed by `hot_set.c`: a layer in a few microseconds) and its plain twin `DictHotSet`
-(dicts, in Python: ~150 us a layer at 4k), which also serves where no C compiler is found.
+(arrays, routed by `hot_set.c`) and its plain twin `DictHotSet` (dicts, in Python: far slower
+per layer at long contexts), which also serves where no C compiler is found.
 
 A parked page never changes (it is full), so a cell stays valid until its way is reused; nothing
 is written back on eviction. Not thread-safe: only the engine thread touches it.

@@ -1,11 +1,12 @@
-"""The KV cache's native kernel (`paged_attention.c`): built once per machine, loaded with ctypes.
+"""The project's C code, built once per machine and loaded with ctypes: `library` for any of its
+C files (`paged_attention.c` here, `hot_set.c` for the host tier's hot sets, the model's fused
+steps in `services/models/fused_ops.c`), `load` for decode attention over the KV pages.
 
-`library` builds any of the project's C files (the model's fused steps use it too) with the
-system C compiler (`CC`, else `cc`) into a folder the caller names (the engine passes its cache
-folder), under a name that hashes the source, the flags and the CPU's feature list
-(`-march=native` code must not run on another CPU sharing that folder). A missing compiler, a
-failed build or a read-only folder leave it returning None: the caller keeps its plain path
-(here: gather, then SDPA) and says so once in the log.
+`library` builds a C file with the system C compiler (`CC`, else `cc`) into a folder the caller
+names (the engine passes its cache folder), under a name that hashes the source, the flags and
+the CPU's feature list (`-march=native` code must not run on another CPU sharing that folder).
+A missing compiler, a failed build or a read-only folder leave it returning None: the caller
+keeps its plain path (here: gather, then SDPA) and says so once in the log.
 
 OpenMP: the library links `libgomp.so.1` by name, which resolves to the copy torch has already
 loaded, so both share one thread pool instead of two pools spinning against each other.

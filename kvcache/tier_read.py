@@ -1,4 +1,4 @@
-"""Quest's read of an offloaded request's chosen pages (issue 7's host tier).
+"""Quest's read of an offloaded request's chosen pages (the host tier).
 
 Quest picks, per layer and KV head, the pages a decode step reads (`kvcache.attention`). For an
 offloaded request some of them are parked in the host tier: this module reads them through the

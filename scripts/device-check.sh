@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared device check (issue 22) on a bare CUDA machine that has PyTorch, Triton,
+# The prepared device check on a bare CUDA machine that has PyTorch, Triton,
 # transformers, pytest and matplotlib and no network: installs the wheels `make device-wheels`
 # put in .device-wheels/ (offline, into a scratch folder on PYTHONPATH), then runs
 # benchmarks/gpu_check.py, writing gpu_check.json, gpu_check.png and gpu_check.log under $OUT.

@@ -1,13 +1,31 @@
-"""`build_provider`: an engine's grammar provider with a compile service of its own."""
+"""An engine's grammar provider when it has no compile service to share: `provider_for`."""
 
 from __future__ import annotations
 
 from services import settings
 from services.compiler.local_builds import LocalBuilds
-from services.compiler.provider import ServiceGrammarProvider
 from services.compiler.service import CompilerConfig, CompileService
-from services.engine.grammar.backends import Backends
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.compiler.service_provider import ServiceGrammarProvider
+from services.grammar.backend import MASK_BUDGET_MS
+from services.grammar.backends import Backends
+from services.grammar.provider import LocalGrammarProvider, ProviderFactory
+from services.grammar.xgrammar_backend import XGrammarBackend
+
+
+def provider_for(
+    workers: int,
+    redis_url: str | None = None,
+    mask_budget_ms: float = MASK_BUDGET_MS,
+    config: CompilerConfig | None = None,
+) -> ProviderFactory:
+    """What an engine of its own (offline, or one-process serving) compiles with: a compile
+    service of its own with `workers` killable worker processes (`redis_url`: its verdict
+    cache; the probe refuses grammars whose masks take over `mask_budget_ms`), or for 0
+    in-process with no guard (the plain twin). `config`: the service's other settings."""
+    if workers == 0:
+        return LocalGrammarProvider
+    base = (config or CompilerConfig()).model_copy(update={"mask_budget_ms": mask_budget_ms})
+    return lambda backends: build_provider(backends, workers, redis_url, base)
 
 
 def build_provider(
@@ -16,8 +34,8 @@ def build_provider(
     redis_url: str | None = None,
     config: CompilerConfig | None = None,
 ) -> ServiceGrammarProvider:
-    """An engine's provider with its own compile service (offline use and one-process serving);
-    given every backend, llguidance grammars are built in this process (`LocalBuilds`)."""
+    """An engine's provider with its own compile service; given every backend, llguidance
+    grammars are built in this process (`LocalBuilds`)."""
     local = None
     base = config or CompilerConfig()
     if isinstance(backend, Backends):

@@ -38,11 +38,11 @@ from services.compiler.dispatch import FairDispatcher
 from services.compiler.futures import settle
 from services.compiler.probe import PROBE_STEPS, probe_masks
 from services.compiler.service import LOAD_DEPENDENT, CompilerConfig, refusal
-from services.compiler.specs import to_spec
-from services.engine.grammar.backend import CompiledGrammar, GrammarError
-from services.engine.grammar.backends import Backends, prefer
-from services.engine.grammar.xgrammar_backend import fidelity_error
-from services.engine.params import StructuredOutput
+from services.grammar.backend import MASK_BUDGET_MS, CompiledGrammar, GrammarError
+from services.grammar.backends import Backends, prefer
+from services.grammar.canonical import to_spec
+from services.grammar.structured import StructuredOutput
+from services.grammar.xgrammar_backend import fidelity_error
 
 MAX_VERDICTS = 4096  # llguidance verdicts (with their built grammars) kept here
 Submit = Callable[[StructuredOutput, str], "Future[CompiledGrammar]"]  # the service's path
@@ -79,7 +79,7 @@ class LocalBuilds:
         self,
         backends: Backends,
         limits: GrammarLimits | None = None,
-        mask_budget_ms: float = 20.0,
+        mask_budget_ms: float = MASK_BUDGET_MS,
         probe_steps: int = PROBE_STEPS,
         threads: int = 2,
         refusal_ttl_s: float = 600.0,

@@ -12,7 +12,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from grammar_registry.cache import Verdict
 from grammar_registry.specs import GrammarSpec
 from services.compiler.futures import then
-from services.engine.grammar.backend import CompiledGrammar
+from services.grammar.backend import CompiledGrammar
 from services.telemetry import spans
 
 log = logging.getLogger(__name__)

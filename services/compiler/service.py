@@ -22,16 +22,17 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from grammar_registry.cache import LRUBytes, RedisVerdicts, Verdict
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
-from grammar_registry.specs import GrammarSpec, grammar_key
-from grammar_registry.tenants import (
+from grammar_registry.registrations import (
     Registration,
     RegistrationCaps,
     RegistrationError,
     RegistrationStore,
 )
+from grammar_registry.specs import GrammarSpec, grammar_key
 from services import telemetry
 from services.compiler.probe import PROBE_STEPS
-from services.engine.grammar.backend import GrammarError
+from services.grammar.backend import MASK_BUDGET_MS, GrammarError
+from services.grammar.xgrammar_backend import fidelity_error
 from services.sandbox import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -55,22 +56,33 @@ _NOT_CACHED = ("busy", "unavailable")  # about the service's state, not the gram
 LOAD_DEPENDENT = ("timeout", "slow_mask", "memory", "crash")
 
 
-class CompilerConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class CompileSettings(BaseModel):
+    """What an operator sets of the compile service, defined here once: `ServiceConfig.grammar`
+    takes these fields as they are, and the GrammarService hands them on."""
+
+    model_config = ConfigDict(extra="forbid")
 
     workers: int = Field(default=2, ge=1)
     deadline_s: float = Field(default=10.0, gt=0)
+    # probe medians above it are refused; the LLM replicas' masks are held to it while decoding
+    mask_budget_ms: float = Field(default=MASK_BUDGET_MS, gt=0)
+    limits: GrammarLimits = GrammarLimits()
+    caps: RegistrationCaps = RegistrationCaps()
+
+
+class CompilerConfig(CompileSettings):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     queue_wait_s: float = Field(default=30.0, ge=0)  # for a free worker, before "busy"
     worker_memory_bytes: int = Field(default=4 << 30, ge=0)  # RLIMIT_AS per worker; 0: none
-    mask_budget_ms: float = Field(default=20.0, gt=0)  # probe median above this: refused
     probe_steps: int = Field(default=PROBE_STEPS, ge=1)
     max_inflight: int = Field(default=16, ge=1)
     max_inflight_per_tenant: int = Field(default=4, ge=1)
     # Store the blob only when loading it is clearly faster than compiling it again.
     blob_gain: float = Field(default=0.8, gt=0)
-    # A compile faster than this is never shipped as a blob: serializing a compiled grammar of
-    # this tokenizer's vocabulary takes ~65 ms and loading it ~25 ms, where such a compile
-    # takes ~15 ms, so the worker would spend most of its time on a blob nobody keeps.
+    # A compile faster than this is never shipped as a blob: serializing and loading a compiled
+    # grammar of a whole vocabulary costs more than such a compile does, so the worker would
+    # spend most of its time on a blob nobody keeps (benchmarks/grammar_cache.py measures both).
     blob_min_compile_s: float = Field(default=0.1, ge=0)
     fetch_overhead_s: float = Field(default=0.002, ge=0)
     fetch_bytes_per_s: float = Field(default=200e6, gt=0)
@@ -81,8 +93,6 @@ class CompilerConfig(BaseModel):
     # every process sharing it. A JSON dump shows "**********", never the secret.
     verdict_secret: SecretStr | None = Field(default=None, min_length=16)
     recent_verdict_bytes: int = Field(default=256 << 20, ge=0)
-    limits: GrammarLimits = GrammarLimits()
-    caps: RegistrationCaps = RegistrationCaps()
 
 
 class GrammarKeys:
@@ -306,8 +316,6 @@ class CompileService:
         verdict = self.verdict(spec, tenant, scope=tenant)
         raise_for(verdict, spec.kind)
         if verdict.warnings and fidelity == "strict":
-            from services.engine.grammar.xgrammar_backend import fidelity_error
-
             raise fidelity_error(verdict.warnings)
         try:
             return self.registrations.add(

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.boundary import is_engine_fault
 from services.engine.engine import LLMEngine, Prompt
+from services.engine.failures import is_engine_fault
 from services.engine.params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,12 @@
-"""Engine settings: one frozen dataclass, validated at start-up."""
+"""Engine settings, grouped by concern and validated at start-up.
+
+Each group is a frozen dataclass of its own (`RunnerConfig`: the model and the device it runs on;
+`CacheConfig`: the KV pool, the prefix cache and the host tier; `SchedulingConfig`; `GrammarConfig`;
+`SandboxConfig`: work tenants' input steers; `SpeculationConfig`), and the part of the engine that
+reads a concern takes its group. `EngineConfig` is every group at once: the flat keyword form
+`LLM(...)` and `ServiceConfig.llm.engine` take (`EngineConfig(max_num_seqs=8, page_size=16)`),
+each field defined once, in its group; `config.scheduling` and the like are the group views.
+"""
 
 from __future__ import annotations
 
@@ -9,67 +17,25 @@ from typing import Any
 import torch
 
 from services import settings
-from services.engine.grammar.backends import check_name
+from services.grammar.backend import MASK_BUDGET_MS
+from services.grammar.structured import check_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPECULATIVE_METHODS = ("ngram",)
+DRAFT_LENGTHS = ("fixed", "adaptive")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
+@dataclass(frozen=True, kw_only=True)
+class RunnerConfig:
+    """The model and the device it runs on, with the forward's fast paths."""
+
     model: str | None = None  # a local HF folder; None: the default SmolLM2 package
     device: str = "auto"  # "auto": cuda when present, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of free memory
-    page_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    max_model_len: int | None = None  # None: the model's context, capped by the pool
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default
-    overlap_masks: bool = True  # fill grammar masks while the forward runs (False: after it)
-    jump_forward: bool = False  # append grammar-forced spans without a forward pass each
-    # Grammar compiles: in this many worker processes behind limits, a deadline and a mask probe
-    # (the compile service); 0 compiles in-process with no guard (the plain twin, for tests).
-    grammar_workers: int = 1
-    grammar_redis_url: str | None = None  # the shared verdict cache; None: in-process only
-    # xgrammar, llguidance, or auto: the backend per grammar (services/engine/grammar/backends.py)
-    grammar_backend: str = "xgrammar"
-    # KV host tier: pages of host memory that `quest` requests with offload=True park into;
-    # 0: no tier (offload is refused). `kv_tier_tenant_pages` caps each tenant's share; None:
-    # half the tier, so no one tenant can fill it.
-    kv_tier_pages: int = 0
-    kv_tier_tenant_pages: int | None = None
-    # Quest keeps its key bounds per this many tokens (a power of two up to page_size) and
-    # scores a page by its best part, whose bound mixes fewer keys' channels; it still reads
-    # whole pages. None: one bound per page (the plain twin).
-    quest_bound_tokens: int | None = None
-    # Containment (services/engine/boundary.py). A request whose masks slower than
-    # `mask_budget_ms` add up to `mask_strikes` budgets fails (422) and its grammar is refused.
-    mask_budget_ms: float = 20.0
-    mask_strikes: float = 3.0
-    validation_timeout_s: float = 1.0  # JSON output validation; later: validated=False
-    # Work a tenant's input steers (validating outputs against its schema, rendering the chat
-    # template over its messages) runs in this many killable worker processes per kind, each
-    # job under its deadline (services/sandbox). 0: in this process, no deadline (the plain twin).
-    sandbox_workers: int = 2
-    template_timeout_s: float = 5.0
-    max_prompt_chars: int | None = None  # None: 32 characters per token of max_model_len
-    # Weighted fair shares between tenants (services/engine/fairness.py); False: arrival order.
-    # `tenant_weights`: tenant -> weight, 1 for any tenant not named.
-    fair_scheduling: bool = True
-    tenant_weights: dict[str, float] | None = None
-    # With fair scheduling, a tenant with nothing running has its first chunk computed in a step
-    # of its own (never two such steps in a row), so its first token does not wait on the other
-    # tenants' whole batch. None: on for cpu, where a step's time grows with the batch; off for
-    # cuda, where a decode batch costs about what one sequence does. False: the plain twin.
-    newcomer_steps: bool | None = None
-    # Automatic prefix caching (services/engine/prefix_cache.py): full pages are kept, keyed by
-    # their tokens and the tenant, and a request whose prompt starts the same way maps them
-    # instead of computing them. False: the plain twin, every prompt computed whole.
-    enable_prefix_caching: bool = True
     # On CPU, linear layers through oneDNN with their weights packed once into its blocked
-    # layout (services/models/packed.py): 1.4-2.5x faster products. False: the plain twin
+    # layout (services/models/packed.py): faster products. False: the plain twin
     # (`F.linear`). No effect on CUDA.
     packed_weights: bool = True
     # Decode attention reads the KV pages where they lie (kvcache/paged_attention.c, built on
@@ -80,60 +46,15 @@ class EngineConfig:
     # (services/models/fused.py), checked against transformers' at load. False: the plain twin
     # (transformers' forward).
     fused_forward: bool = True
-    # The KV host tier's hot sets route each layer's Quest selection in C (kvcache/hot_set.c,
-    # built on first use). False, or no C compiler: the plain twin (the same LRU in Python).
-    native_hot_set: bool = True
-    # Speculative decoding (services/engine/speculative.py), vLLM's keys: {"method": "ngram",
-    # "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}. None: the
-    # plain twin, one token per request per forward pass.
-    speculative: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self._check_runner()
+
+    def _check_runner(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device: {self.device!r} is not 'auto', 'cpu' or 'cuda[:N]'")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size: must be a power of two, got {self.page_size}")
-        qb = self.quest_bound_tokens
-        if qb is not None and (qb < 1 or qb & (qb - 1) or qb > self.page_size):
-            raise ValueError(f"quest_bound_tokens: a power of two up to page_size, got {qb}")
-        if self.kv_tier_pages < 0:
-            raise ValueError("kv_tier_pages: must be >= 0")
-        if self.grammar_workers < 0:
-            raise ValueError("grammar_workers: must be >= 0")
-        check_name("grammar_backend", self.grammar_backend)
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError("kv_cache_memory: must be a positive number of bytes")
-        if self.sandbox_workers < 0:
-            raise ValueError("sandbox_workers: must be >= 0")
-        timeouts = ("validation_timeout_s", "template_timeout_s")
-        for name in ("mask_budget_ms", "mask_strikes", *timeouts):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
-            raise ValueError("max_prompt_chars: must be >= 1")
-        if self.grammar_redis_url and self.grammar_workers and not settings.verdict_secret():
-            raise ValueError(
-                "grammar_redis_url: verdicts in Redis are signed; set STRUCTSERVE_VERDICT_SECRET "
-                "(the same in every process sharing that Redis)"
-            )
-        from services.engine.speculative import SpeculativeConfig
-
-        SpeculativeConfig.parse(self.speculative)  # a bad key or value fails at start-up
-        for tenant, weight in (self.tenant_weights or {}).items():
-            if not weight > 0:
-                raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
-
-    def newcomer_steps_on(self, device: torch.device) -> bool:
-        if self.newcomer_steps is None:
-            return self.fair_scheduling and device.type == "cpu"
-        return self.fair_scheduling and self.newcomer_steps
-
-    def tier_tenant_cap(self) -> int:
-        if self.kv_tier_tenant_pages is not None:
-            return self.kv_tier_tenant_pages
-        return max(1, self.kv_tier_pages // 2)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -145,6 +66,49 @@ class EngineConfig:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The paged KV pool, the prefix cache and the KV host tier."""
+
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of free memory
+    page_size: int = 16
+    # Automatic prefix caching (services/engine/prefix_cache.py): full pages are kept, keyed by
+    # their tokens and the tenant, and a request whose prompt starts the same way maps them
+    # instead of computing them. False: the plain twin, every prompt computed whole.
+    enable_prefix_caching: bool = True
+    # KV host tier: pages of host memory that `quest` requests with offload=True park into;
+    # 0: no tier (offload is refused). `kv_tier_tenant_pages` caps each tenant's share; None:
+    # half the tier, so no one tenant can fill it.
+    kv_tier_pages: int = 0
+    kv_tier_tenant_pages: int | None = None
+    # Quest keeps its key bounds per this many tokens (a power of two up to page_size) and
+    # scores a page by its best part, whose bound mixes fewer keys' channels; it still reads
+    # whole pages. None: one bound per page (the plain twin).
+    quest_bound_tokens: int | None = None
+    # The KV host tier's hot sets route each layer's Quest selection in C (kvcache/hot_set.c,
+    # built on first use). False, or no C compiler: the plain twin (the same LRU in Python).
+    native_hot_set: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_cache()
+
+    def _check_cache(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size: must be a power of two, got {self.page_size}")
+        qb = self.quest_bound_tokens
+        if qb is not None and (qb < 1 or qb & (qb - 1) or qb > self.page_size):
+            raise ValueError(f"quest_bound_tokens: a power of two up to page_size, got {qb}")
+        if self.kv_tier_pages < 0:
+            raise ValueError("kv_tier_pages: must be >= 0")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory: must be a positive number of bytes")
+
+    def tier_tenant_cap(self) -> int:
+        if self.kv_tier_tenant_pages is not None:
+            return self.kv_tier_tenant_pages
+        return max(1, self.kv_tier_pages // 2)
+
     def kv_budget_bytes(self, device: torch.device) -> int:
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
@@ -153,3 +117,198 @@ class EngineConfig:
             return int(free * 0.8)
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return int(min(available * 0.25, 4 << 30))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulingConfig:
+    """What each step admits and computes, and how tenants share it."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
+    max_prompt_chars: int | None = None  # None: 32 characters per token of max_model_len
+    # Weighted fair shares between tenants (services/engine/fairness.py); False: arrival order.
+    # `tenant_weights`: tenant -> weight, 1 for any tenant not named.
+    fair_scheduling: bool = True
+    tenant_weights: dict[str, float] | None = None
+    # With fair scheduling, a tenant with nothing running has its first chunk computed in a step
+    # of its own (never two such steps in a row), so its first token does not wait on the other
+    # tenants' whole batch. None: on for cpu, where a step's time grows with the batch; off for
+    # cuda, where a decode batch costs about what one sequence does. False: the plain twin.
+    newcomer_steps: bool | None = None
+
+    def __post_init__(self) -> None:
+        self._check_scheduling()
+
+    def _check_scheduling(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens: must be >= 1")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars: must be >= 1")
+        for tenant, weight in (self.tenant_weights or {}).items():
+            if not weight > 0:
+                raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
+
+    def newcomer_steps_on(self, device: torch.device) -> bool:
+        if self.newcomer_steps is None:
+            return self.fair_scheduling and device.type == "cpu"
+        return self.fair_scheduling and self.newcomer_steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class GrammarConfig:
+    """Structured output: where grammars compile, which backend builds them, how masks are
+    filled and held to their budget, how outputs are checked."""
+
+    # Grammar compiles: in this many worker processes behind limits, a deadline and a mask probe
+    # (the compile service); 0 compiles in-process with no guard (the plain twin, for tests).
+    grammar_workers: int = 1
+    grammar_redis_url: str | None = None  # the shared verdict cache; None: in-process only
+    # xgrammar, llguidance, or auto: the backend per grammar (services/grammar/backends.py)
+    grammar_backend: str = "xgrammar"
+    overlap_masks: bool = True  # fill grammar masks while the forward runs (False: after it)
+    jump_forward: bool = False  # append grammar-forced spans without a forward pass each
+    # The mask budget (services/engine/structured/manager.py): a request whose masks slower than
+    # `mask_budget_ms` add up to `mask_strikes` budgets fails (422) and its grammar is refused.
+    mask_budget_ms: float = MASK_BUDGET_MS
+    mask_strikes: float = 3.0
+    validation_timeout_s: float = 1.0  # JSON output validation; later: validated=False
+
+    def __post_init__(self) -> None:
+        self._check_grammar()
+
+    def _check_grammar(self) -> None:
+        if self.grammar_workers < 0:
+            raise ValueError("grammar_workers: must be >= 0")
+        check_name("grammar_backend", self.grammar_backend)
+        for name in ("mask_budget_ms", "mask_strikes", "validation_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.grammar_redis_url and self.grammar_workers and not settings.verdict_secret():
+            raise ValueError(
+                "grammar_redis_url: verdicts in Redis are signed; set STRUCTSERVE_VERDICT_SECRET "
+                "(the same in every process sharing that Redis)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxConfig:
+    """Work a tenant's input steers (validating outputs against its schema, rendering the chat
+    template over its messages) runs in `sandbox_workers` killable worker processes per kind,
+    each job under its deadline (services/sandbox). 0: in this process, no deadline (the plain
+    twin)."""
+
+    sandbox_workers: int = 2
+    template_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        self._check_sandbox()
+
+    def _check_sandbox(self) -> None:
+        if self.sandbox_workers < 0:
+            raise ValueError("sandbox_workers: must be >= 0")
+        if not self.template_timeout_s > 0:
+            raise ValueError(f"template_timeout_s: must be > 0, got {self.template_timeout_s}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`LLM(speculative={...})`, in vLLM's keys (services/engine/speculative.py)."""
+
+    # unset keys: the best of benchmarks/structured.py's sweep (extraction, batch 1 and 8, CPU)
+    method: str = "ngram"
+    num_speculative_tokens: int = 8
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # no drafts in a step with more running requests than this: a large batch already fills the
+    # device, and the draft positions would cost more compute than the passes they save
+    disable_by_batch_size: int | None = None
+    # "adaptive": a request's next draft is twice its last when that was kept whole, else one
+    # more than the tokens kept (a miss costs one position, a copied span grows to the cap);
+    # "fixed" (the plain twin) always drafts up to num_speculative_tokens
+    draft_length: str = "adaptive"
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative.method: {self.method!r} is not one of {SPECULATIVE_METHODS}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError("speculative.num_speculative_tokens: 1 to 32")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ValueError(
+                "speculative.prompt_lookup_min/max: need 1 <= prompt_lookup_min <= "
+                "prompt_lookup_max <= 64"
+            )
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(
+                f"speculative.draft_length: {self.draft_length!r} is not one of {DRAFT_LENGTHS}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative.disable_by_batch_size: a positive count or None")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative: a dict of vLLM's keys or None, got {value!r}")
+        unknown = sorted(set(value) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise ValueError(f"speculative: unknown keys {unknown}")
+        return cls(**value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculationConfig:
+    # Speculative decoding (services/engine/speculative.py), vLLM's keys: {"method": "ngram",
+    # "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}. None: the
+    # plain twin, one token per request per forward pass.
+    speculative: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.speculative_config()  # a bad key or value fails at start-up
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(
+    RunnerConfig, CacheConfig, SchedulingConfig, GrammarConfig, SandboxConfig, SpeculationConfig
+):
+    """Every group at once, in the flat keyword form (see the module's doc)."""
+
+    def __post_init__(self) -> None:
+        self._check_runner()
+        self._check_cache()
+        self._check_scheduling()
+        self._check_grammar()
+        self._check_sandbox()
+        self.speculative_config()
+
+    # The groups, each a view of this one config (no copy: every field lives here once).
+    @property
+    def runner(self) -> RunnerConfig:
+        return self
+
+    @property
+    def cache(self) -> CacheConfig:
+        return self
+
+    @property
+    def scheduling(self) -> SchedulingConfig:
+        return self
+
+    @property
+    def grammar(self) -> GrammarConfig:
+        return self
+
+    @property
+    def sandbox(self) -> SandboxConfig:
+        return self
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        return self

@@ -1,9 +1,10 @@
 """The engine: requests in, one step at a time, outputs out.
 
-`step()` is the whole loop body: schedule, run the model, sample, update. Everything else here is
-request bookkeeping: admission checks, stop conditions, outputs and freeing pages.
+`step()` is the whole loop body: schedule, run the model, sample, update (each sampled token
+takes `token_path.py`, drafted or not). Everything else here is request bookkeeping: admission
+checks, endings, outputs and freeing pages.
 
-Whatever belongs to one request runs inside the failure boundary (`boundary.py`): it fails that
+Whatever belongs to one request runs inside the failure boundary (`failures.py`): it fails that
 request alone (`finish_reason="error"`, the cause in `warnings`, its pages freed) and the batch
 goes on. A fault of the whole engine fails every request before it propagates (`fail_all`).
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,23 +22,27 @@ from kvcache import hot_set
 from kvcache.host_tier import HostPageStore
 from kvcache.policies import new_state
 from services import settings
-from services.engine import admission, isolation
+from services.compiler.build import provider_for
+from services.engine import admission, failures
 from services.engine import logits as logits_processors
 from services.engine.admission import Prompt
-from services.engine.boundary import Boundary, RequestError
 from services.engine.chat_template import ChatRenderer
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.grammar.manager import Failure, GrammarManager
-from services.engine.grammar.provider import GrammarProvider
+from services.engine.failures import Boundary, RequestError
 from services.engine.kv_offload import OffloadManager
 from services.engine.model_runner import ModelRunner
-from services.engine.params import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from services.engine.params import FinishReason, RequestOutput, SamplingParams
 from services.engine.prefix_cache import PrefixCache
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampled, Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.speculative import SampleRows, SpeculativeConfig, Speculator
+from services.engine.speculative import DraftStep, SampleRows, Speculator
+from services.engine.structured.manager import Failure, GrammarManager
+from services.engine.structured.masks import PendingMasks
+from services.engine.token_path import TokenPath
+from services.grammar.backends import for_model
+from services.grammar.provider import GrammarProvider, ProviderFactory
 from services.models import LoadedModel, eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -49,7 +53,7 @@ class LLMEngine:
         self,
         config: EngineConfig | None = None,
         loaded: LoadedModel | None = None,
-        grammar_provider: GrammarProvider | None = None,
+        grammar_provider: GrammarProvider | ProviderFactory | None = None,
     ):
         self.config = config = config or EngineConfig()
         self.runner = ModelRunner(config, loaded)
@@ -62,26 +66,35 @@ class LLMEngine:
         model_len = int(getattr(self.runner.model.config, "max_position_embeddings", pool_tokens))
         self.model_len = model_len
         self.max_model_len = min(config.max_model_len or model_len, model_len, pool_tokens)
-        self.eos_token_ids = self._eos_token_ids()
-        spec = SpeculativeConfig.parse(config.speculative)
+        model = self.runner.model
+        self.eos_token_ids = eos_token_ids(model.generation_config, model.config, self.tokenizer)
+        spec = config.speculation.speculative_config()
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        backends = for_model(
+            self.tokenizer, model.config, model.generation_config, config.grammar_backend
+        )
         self.grammars = GrammarManager(
-            self.tokenizer,
-            self.runner.vocab_size,
-            sorted(self.eos_token_ids),
+            backends,
+            # not handed one: its own, whose probe holds grammars to the budget it decodes under
+            grammar_provider
+            or provider_for(
+                config.grammar_workers, config.grammar_redis_url, config.mask_budget_ms
+            ),
             max_rows=config.max_num_seqs,
             overlap=config.overlap_masks,
-            provider=grammar_provider,
-            workers=config.grammar_workers,
-            grammar_backend=config.grammar_backend,
-            redis_url=config.grammar_redis_url,
             mask_budget_ms=config.mask_budget_ms,
             mask_strikes=config.mask_strikes,
             validation_timeout_s=config.validation_timeout_s,
             sandbox_workers=config.sandbox_workers,
         )
+        self.tokens = TokenPath(
+            self.grammars, config.jump_forward, self.max_model_len, self._finish
+        )
         self.chat = ChatRenderer(self.tokenizer, config.sandbox_workers, config.template_timeout_s)
         self.boundary = Boundary(self._fail)
+        self.drafts = DraftStep(
+            self.boundary, self._mask_row, self.sampler.verify, self.tokens.take
+        )
         self.grammars.check = self.check_fault
         self.requests: dict[str, Request] = {}
         self.validating: list[Request] = []  # finished, their output being validated
@@ -105,10 +118,6 @@ class LLMEngine:
         self.limits = admission.Limits.of(
             config, self.runner, model_len, self.max_model_len, tier_pages
         )
-
-    def _eos_token_ids(self) -> frozenset[int]:
-        model = self.runner.model
-        return eos_token_ids(model.generation_config, model.config, self.tokenizer)
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -210,16 +219,22 @@ class LLMEngine:
         rows = SampleRows.of(sched.chunks)
         sampling = rows.plain  # drafted requests are verified on their own, after
         masks = self.grammars.start_masks(sampling)  # filled on a worker while the forward runs
-        every = isolation.forward(self.runner, self.boundary, sched.chunks, rows, self.check_fault)
+        every = failures.forward(self.runner, self.boundary, sched.chunks, rows, self.check_fault)
         logits = rows.plain_logits(every)
         logits_processors.apply(logits, sampling)  # penalties, bias, min_tokens: before the mask
         self.fail_each(self.grammars.apply_masks(masks, logits))
-        tokens = isolation.sample(self.sampler, logits, sampling)
+        tokens = failures.sample(self.sampler, logits, sampling)
         updated = self._update(sched, sampling, tokens)
         if self.speculator is not None and rows.drafted:
-            updated += self.speculator.verify(rows, every, self)
+            updated += self.speculator.verify(rows, every, self.drafts)
         self._apply_kv_policies(sched)
         return failed + updated + self._validated()
+
+    def _mask_row(self, req: Request, row: torch.Tensor) -> bool:
+        """Masks one row of `req` (a draft's position); False when that failed the request."""
+        failures = self.grammars.apply_masks(PendingMasks([(0, req)], None), row)
+        self.fail_each(failures)
+        return not failures
 
     def _resolve_grammars(self) -> list[Request]:
         failures = self.grammars.resolve()
@@ -239,45 +254,14 @@ class LLMEngine:
             if not c.request.finished:
                 c.request.num_computed_tokens += c.num_tokens
         now = time.perf_counter()
-        for i, (req, token) in enumerate(zip(sampling, sampled.tokens, strict=True)):
+        for i, req in enumerate(sampling):
             if req.finished:  # failed earlier in this step
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             with self.boundary.request(req) as stage:
-                stage("sample")
-                if i in sampled.failed:
-                    raise RequestError(sampled.failed[i])
-                self.advance(req, token, stage, sampled.logprobs.get(i))
+                self.tokens.take(req, sampled, i, stage)
         return sampling
-
-    def advance(
-        self,
-        req: Request,
-        token: int,
-        stage: Callable[[str], None],
-        logprob: TokenLogprob | None = None,
-    ) -> None:
-        """Appends one sampled token (or the span jump-forward makes of it) and checks stops."""
-        stage("accept")
-        reason = self.grammars.accept(req, token)
-        new = [token]
-        if reason is None and self.config.jump_forward:
-            stage("jump_forward")
-            room = min(
-                req.params.max_tokens - req.num_output_tokens,
-                (req.context_limit or self.max_model_len) - req.num_tokens,
-            )
-            new = self.grammars.jump_forward(req, token, room)
-        req.token_ids.extend(new)
-        if logprob is not None:
-            req.record_logprobs(logprob, new)
-        stage("detokenize")  # stop strings are matched as the text grows
-        req.detokenizer.add_tokens(new)
-        stage("stop")
-        reason = reason or self._stop_reason(req, new[-1])
-        if reason:
-            self._finish(req, reason)
 
     def _apply_kv_policies(self, sched: SchedulerOutput) -> None:
         """Bounded policies evict after each step that filled their slack; pages go back.
@@ -295,16 +279,6 @@ class LLMEngine:
                 if state.tier is not None and self.offload is not None:
                     stage("kv_offload")
                     self.offload.after_step(req)
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        if token in req.eos_token_ids or token in (req.params.stop_token_ids or ()):
-            return "stop"
-        if req.detokenizer.stopped:
-            return "stop"
-        limit = req.context_limit or self.max_model_len
-        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= limit:
-            return "length"
-        return None
 
     # -- endings -------------------------------------------------------------------------------
 

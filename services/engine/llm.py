@@ -7,8 +7,8 @@ from typing import Any
 
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, Prompt
-from services.engine.grammar.provider import GrammarProvider
 from services.engine.params import RequestOutput, SamplingParams
+from services.grammar.provider import GrammarProvider, ProviderFactory
 from services.models import LoadedModel
 
 
@@ -18,7 +18,7 @@ class LLM:
         model: str | None = None,
         *,
         loaded: LoadedModel | None = None,
-        grammar_provider: GrammarProvider | None = None,
+        grammar_provider: GrammarProvider | ProviderFactory | None = None,
         **engine_kwargs: Any,
     ):
         config = EngineConfig(model=model, **engine_kwargs)

@@ -8,91 +8,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 # KVPolicy lives beside the policies it names; this is its public place (`services.KVPolicy`).
 from kvcache.policy_spec import KVPolicy as KVPolicy
+from services.grammar.structured import StructuredOutput
 
 FinishReason = Literal["stop", "length", "error", "abort"]
 
-_STRUCTURED_KINDS = (
-    "json_schema",
-    "json_object",
-    "regex",
-    "choice",
-    "grammar",
-    "structural_tag",
-    "grammar_id",
-)
-
 MAX_TOP_K = (1 << 31) - 1  # an int32 on the device; any value past the vocabulary is "off"
-
-
-GRAMMAR_BACKENDS = ("xgrammar", "llguidance")  # services/engine/grammar/backends.py
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """Constrains the output to a grammar: exactly one of the kinds below is set.
-
-    Options:
-    - `max_whitespace_cnt`: most whitespace characters in a row inside JSON (None: unbounded);
-    - `compact`: JSON without optional whitespace, separators `,` and `:`;
-    - `strict`: xgrammar's strict mode: a schema without `additionalProperties` allows none;
-    - `fidelity`: `warn` compiles a schema with keywords the grammar cannot enforce and lists them
-      in `warnings`; `strict` refuses it;
-    - `grammar_syntax`: for `grammar`, `ebnf` (GBNF `::=` rules), `lark`, or `auto` (detected);
-    - `max_whitespace_run`: a request whose last tokens are this many whitespace-only tokens ends
-      with an error instead of running to `max_tokens`;
-    - `bound_numbers`: integers without bounds get the 64-bit range, numbers a cap on digits;
-    - `max_repeat_run`: a request whose last this many tokens repeat one short unit inside a
-      string ends early with a warning (None: never). Both: services/engine/grammar/finish.py.
-    """
-
-    json_schema: dict[str, Any] | str | type | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    structural_tag: dict[str, Any] | None = None
-    grammar_id: str | None = None
-    max_whitespace_cnt: int | None = 8
-    compact: bool = False
-    strict: bool = True
-    fidelity: Literal["warn", "strict"] = "warn"
-    grammar_syntax: Literal["auto", "ebnf", "lark"] = "auto"
-    max_whitespace_run: int = 64
-    bound_numbers: bool = True
-    max_repeat_run: int | None = 128
-    backend: str | None = None  # pins a grammar backend (GRAMMAR_BACKENDS); None: the engine's
-
-    def __post_init__(self) -> None:
-        if self.backend is not None and self.backend not in GRAMMAR_BACKENDS:
-            raise ValueError(
-                f"structured.backend: {self.backend!r} is not one of xgrammar, llguidance"
-            )
-        chosen = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
-        if len(chosen) != 1:
-            raise ValueError(
-                f"structured: exactly one of {', '.join(_STRUCTURED_KINDS)} must be set, got "
-                f"{chosen or 'none'}"
-            )
-        if self.choice is not None and not self.choice:
-            raise ValueError("structured.choice: must hold at least one string")
-        if self.max_whitespace_cnt is not None and self.max_whitespace_cnt < 1:
-            raise ValueError("structured.max_whitespace_cnt: must be >= 1 or None")
-        if self.fidelity not in ("warn", "strict"):
-            raise ValueError(f"structured.fidelity: {self.fidelity!r} is not 'warn' or 'strict'")
-        if self.grammar_syntax not in ("auto", "ebnf", "lark"):
-            raise ValueError("structured.grammar_syntax: must be 'auto', 'ebnf' or 'lark'")
-        if self.max_whitespace_run < 1:
-            raise ValueError("structured.max_whitespace_run: must be >= 1")
-        if self.max_repeat_run is not None and self.max_repeat_run < 8:
-            raise ValueError("structured.max_repeat_run: must be >= 8 or None")
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 # Below this a temperature cannot be sampled stably (logits / t overflow): such a request is

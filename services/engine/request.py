@@ -18,12 +18,13 @@ import torch
 
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.params import FinishReason, RequestMetrics, SamplingParams, TokenLogprob
+from services.grammar.canonical import structured_key
 
 if TYPE_CHECKING:
     from kvcache.policies import KVState
-    from services.engine.grammar.backend import CompiledGrammar, GrammarState
-    from services.engine.grammar.validation import PendingValidation
-    from services.engine.params import StructuredOutput
+    from services.engine.structured.validation import PendingValidation
+    from services.grammar.backend import CompiledGrammar, GrammarState
+    from services.grammar.structured import StructuredOutput
 
 
 class RequestStatus(enum.Enum):
@@ -34,7 +35,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class StructuredRequest:
-    """A constrained request's grammar side (services/engine/grammar/manager.py): its spec and
+    """A constrained request's grammar side (services/engine/structured/manager.py): its spec and
     the spec's one canonical key, the compile in flight, then the compiled grammar and this
     request's state, and what the decode-time guards count."""
 
@@ -47,10 +48,9 @@ class StructuredRequest:
 
     @functools.cached_property
     def key(self) -> str:
-        """`spec_key(spec)`, made when first asked for (a log line names the grammar by it)."""
-        from services.engine.grammar.provider import spec_key
-
-        return spec_key(self.spec)
+        """`structured_key(spec)`, made when first asked for (a log line names the grammar by
+        it)."""
+        return structured_key(self.spec)
 
 
 @dataclass(eq=False)

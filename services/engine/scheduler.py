@@ -5,11 +5,12 @@ admits waiting ones while the token budget, the batch size and free pages allow.
 request needs a page and none is free, the most recently admitted request is preempted: its pages
 are freed and it goes back to the head of the queue, to be recomputed later (vLLM's recompute mode).
 
-With `fair=True` (the default) tenants share the engine by weight (`services/engine/fairness.py`):
-the next request admitted is the backlogged tenant's with the least virtual time, a tenant below
-its share of batch slots takes one from the tenant furthest over its own, prompt tokens per step
-are split between the tenants with prompts to compute, and preemption for pages picks from the
-tenant furthest over its share. `fair=False` is the plain twin: arrival order, newest preempted.
+With `fair_scheduling=True` (the default) tenants share the engine by weight
+(`services/engine/fairness.py`): the next request admitted is the backlogged tenant's with the
+least virtual time, a tenant below its share of batch slots takes one from the tenant furthest
+over its own, prompt tokens per step are split between the tenants with prompts to compute, and
+preemption for pages picks from the tenant furthest over its share. `fair_scheduling=False` is
+the plain twin: arrival order, newest preempted.
 
 With `newcomer_steps=True` (fair only) a tenant with nothing running has its first chunk computed
 in a step of its own, the running requests waiting that one step: its first token costs a small
@@ -28,26 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.pages import PageAllocator, pages_needed
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, SchedulingConfig
 from services.engine.fairness import FairShares
 from services.engine.prefix_cache import PrefixCache
 from services.engine.request import Request, RequestStatus
 
 NEWCOMER_GAP = 8  # steps between two newcomer steps of one tenant
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    page_size: int = 16
-    fair: bool = True  # weighted fair shares between tenants (False: arrival order)
-    newcomer_steps: bool = False  # fair only: a newcomer's first chunk in a step of its own
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.page_size < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and page_size must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -78,9 +65,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, allocator: PageAllocator, shares: FairShares | None = None
+        self,
+        config: SchedulingConfig,
+        page_size: int,
+        allocator: PageAllocator,
+        shares: FairShares | None = None,
+        newcomer_steps: bool = False,
     ) -> None:
+        """`newcomer_steps`: `config.newcomer_steps` as decided for the device (fair only)."""
         self.config = config
+        self.page_size = page_size
+        self.newcomer_steps = config.fair_scheduling and newcomer_steps
         self.allocator = allocator
         self.shares = shares if shares is not None else FairShares()
         self._caps: dict[str, int] | None = None  # this step's prompt tokens per tenant
@@ -101,15 +96,9 @@ class Scheduler:
     def for_engine(
         cls, config: EngineConfig, allocator: PageAllocator, device: torch.device
     ) -> Scheduler:
-        sched = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            page_size=config.page_size,
-            fair=config.fair_scheduling,
-            newcomer_steps=config.newcomer_steps_on(device),
-        )
-        return cls(sched, allocator, FairShares(dict(config.tenant_weights or {})))
+        shares = FairShares(dict(config.tenant_weights or {}))
+        newcomer = config.newcomer_steps_on(device)
+        return cls(config.scheduling, config.cache.page_size, allocator, shares, newcomer)
 
     def add(self, request: Request) -> None:
         busy = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
@@ -124,7 +113,7 @@ class Scheduler:
         out = SchedulerOutput()
         if self.prefix is not None:  # pages the last step filled, for requests admitted now
             self.prefix.step(self.running)
-        fair = self.config.fair
+        fair = self.config.fair_scheduling
         if fair:
             self._rebalance_slots(out)
             self._caps = self._prefill_caps()
@@ -143,7 +132,7 @@ class Scheduler:
         """Admits only tenants with nothing running, when others are running (True: done)."""
         last, self._newcomer_last = self._newcomer_last, False
         self._steps += 1
-        if not self.config.newcomer_steps or last or not self.running:
+        if not self.newcomer_steps or last or not self.running:
             return False
         now, recent = self._steps, self._newcomer_at
         busy = {r.tenant for r in self.running} | {
@@ -218,7 +207,7 @@ class Scheduler:
     def _next_waiting(self, skip: set[int], only: set[str] | None = None) -> Request | None:
         """Fair: the first ready request of the tenant with the least virtual time (of `only`),
         among those under their slot share if any is; else the first ready one."""
-        if not self.config.fair:
+        if not self.config.fair_scheduling:
             return next((r for r in self.waiting if r.ready and id(r) not in skip), None)
         ready = [
             r
@@ -305,7 +294,7 @@ class Scheduler:
             if room < 1 or c.num_tokens != 1 or not c.samples or req.kv_state is not None:
                 continue
             end = req.num_cached_tokens + 1 + room
-            missing = pages_needed(end, self.config.page_size) - len(req.pages)
+            missing = pages_needed(end, self.page_size) - len(req.pages)
             if missing > 0:
                 if not self.allocator.can_allocate(missing):
                     continue
@@ -318,13 +307,11 @@ class Scheduler:
         state = req.kv_state
         if state is None:
             return req.num_uncomputed_tokens
-        limit = state.chunk_limit(
-            req.num_computed_tokens, req.num_prompt_tokens, self.config.page_size
-        )
+        limit = state.chunk_limit(req.num_computed_tokens, req.num_prompt_tokens, self.page_size)
         return req.num_uncomputed_tokens if limit is None else limit
 
     def _reserve_pages(self, req: Request, num_tokens: int) -> bool:
-        missing = pages_needed(num_tokens, self.config.page_size) - len(req.pages)
+        missing = pages_needed(num_tokens, self.page_size) - len(req.pages)
         if missing <= 0:
             return True
         short = missing - self.allocator.num_free
@@ -341,7 +328,7 @@ class Scheduler:
         free = [r for r in self.running if id(r) not in scheduled]
         if not free:
             raise AssertionError("a scheduled request cannot be preempted")  # pragma: no cover
-        if self.config.fair:
+        if self.config.fair_scheduling:
             held = Counter(r.tenant for r in self.running)
             share = self.shares.split(len(self.running), dict.fromkeys(held))
             over = self.shares.most_over({r.tenant: held[r.tenant] for r in free}, share)

@@ -34,69 +34,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from services.engine import logits as logits_processors
-from services.engine.boundary import RequestError
-from services.engine.grammar.backend import GrammarError
-from services.engine.grammar.masks import PendingMasks
+from services.engine.config import SpeculativeConfig
 from services.engine.request import Request
+from services.grammar.backend import GrammarError
 
 if TYPE_CHECKING:
-    from services.engine.engine import LLMEngine
+    from services.engine.failures import Boundary
+    from services.engine.sampler import Sampled
     from services.engine.scheduler import ScheduledChunk
-
-METHODS = ("ngram",)
-DRAFT_LENGTHS = ("fixed", "adaptive")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """`LLM(speculative={...})`, in vLLM's keys."""
-
-    # unset keys: the best of benchmarks/structured.py's sweep (extraction, batch 1 and 8, CPU)
-    method: str = "ngram"
-    num_speculative_tokens: int = 8
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-    # no drafts in a step with more running requests than this: a large batch already fills the
-    # device, and the draft positions would cost more compute than the passes they save
-    disable_by_batch_size: int | None = None
-    # "adaptive": a request's next draft is twice its last when that was kept whole, else one
-    # more than the tokens kept (a miss costs one position, a copied span grows to the cap);
-    # "fixed" (the plain twin) always drafts up to num_speculative_tokens
-    draft_length: str = "adaptive"
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative.method: {self.method!r} is not one of {METHODS}")
-        if not 1 <= self.num_speculative_tokens <= 32:
-            raise ValueError("speculative.num_speculative_tokens: 1 to 32")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
-            raise ValueError(
-                "speculative.prompt_lookup_min/max: need 1 <= prompt_lookup_min <= "
-                "prompt_lookup_max <= 64"
-            )
-        if self.draft_length not in DRAFT_LENGTHS:
-            raise ValueError(
-                f"speculative.draft_length: {self.draft_length!r} is not one of {DRAFT_LENGTHS}"
-            )
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError("speculative.disable_by_batch_size: a positive count or None")
-
-    @classmethod
-    def parse(cls, value: Any) -> SpeculativeConfig | None:
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative: a dict of vLLM's keys or None, got {value!r}")
-        unknown = sorted(set(value) - {f for f in cls.__dataclass_fields__})
-        if unknown:
-            raise ValueError(f"speculative: unknown keys {unknown}")
-        return cls(**value)
+    from services.engine.token_path import Stage
 
 
 def ngram_draft(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -181,7 +133,7 @@ class Speculator:
             draft = ngram_draft(req.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, room)
             req.draft = _grammatical(req, draft)
 
-    def verify(self, rows: SampleRows, logits: torch.Tensor, engine: LLMEngine) -> list[Request]:
+    def verify(self, rows: SampleRows, logits: torch.Tensor, step: DraftStep) -> list[Request]:
         """Walks each drafted request's rows in order (see the module's doc); returns them."""
         out = []
         for chunk, first in rows.drafted:
@@ -192,8 +144,8 @@ class Speculator:
             req.metrics.num_draft_tokens += len(chunk.draft)
             own = logits[first : first + 1 + len(chunk.draft)]
             kept = 0  # stays 0 when the walk fails the request (the boundary ends it alone)
-            with engine.boundary.request(req) as stage:
-                kept = self._walk(req, chunk.draft, own, engine, stage)
+            with step.boundary.request(req) as stage:
+                kept = self._walk(req, chunk.draft, own, step, stage)
             self.accepted += kept
             req.metrics.num_accepted_draft_tokens += kept
             if self.config.draft_length == "adaptive":
@@ -205,11 +157,7 @@ class Speculator:
 
     @staticmethod
     def _walk(
-        req: Request,
-        draft: Sequence[int],
-        rows: torch.Tensor,
-        engine: LLMEngine,
-        stage: Callable[[str], None],
+        req: Request, draft: Sequence[int], rows: torch.Tensor, step: DraftStep, stage: Stage
     ) -> int:
         """Draft tokens kept: each one the walk sampled itself, whose computed key and value are
         then counted in (`num_computed_tokens`)."""
@@ -219,18 +167,12 @@ class Speculator:
         for j in range(len(draft) + 1):
             row = rows[j : j + 1]
             logits_processors.apply(row, [req])
-            if req.grammar is not None:
-                failures = engine.grammars.apply_masks(PendingMasks([(0, req)], None), row)
-                if failures:
-                    engine.fail_each(failures)
-                    return kept
+            if req.grammar is not None and not step.mask(req, row):
+                return kept
             stage("sample")
             proposed = draft[j] if j < len(draft) else None
-            sampled = engine.sampler.verify(row, req, proposed)
-            if sampled.failed:
-                raise RequestError(sampled.failed[0])
             before = req.num_tokens
-            engine.advance(req, sampled.tokens[0], stage, sampled.logprobs.get(0))
+            step.take(req, step.verify(row, req, proposed), 0, stage)
             if proposed is None or req.num_tokens <= before or req.token_ids[before] != proposed:
                 return kept
             req.num_computed_tokens += 1  # the draft token's key and value are now its own
@@ -238,6 +180,18 @@ class Speculator:
             if req.finished or req.num_tokens != before + 1:  # ended, or jump-forward moved on
                 return kept
         return kept  # pragma: no cover - the last row has no draft token: returned above
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """What verifying drafts needs of the engine's step, and nothing more: its failure
+    boundary, one row's grammar mask (False: the mask failed the request), the sampler's
+    `verify`, and the per-token path every sampled token takes (`TokenPath.take`)."""
+
+    boundary: Boundary
+    mask: Callable[[Request, torch.Tensor], bool]
+    verify: Callable[[torch.Tensor, Request, int | None], Sampled]
+    take: Callable[[Request, Sampled, int, Stage], None]
 
 
 def _grammatical(req: Request, draft: list[int]) -> list[int]:

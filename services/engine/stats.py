@@ -5,10 +5,10 @@ counters, the KV host tier) that are read only when a metric reader collects, ho
 time of each step, and turns a finished request's `RequestMetrics` into the TTFT and TPOT
 histograms and the queue / prefill / decode spans. The engine itself knows nothing of telemetry.
 
-The KV host tier is read as `engine.kv_tier` (or `engine.runner.kv_tier`) with
-cumulative counters `pages_parked`, `pages_recalled`, `bytes_to_host`, `bytes_to_device`, `hits`,
-`misses` and the gauge `host_bytes_in_use`; without a tier they report 0. Its `on_read` hook records
-each host read's latency into a histogram as it happens, as `on_mask_fill` does for masks.
+The KV host tier is read as `engine.kv_tier`, with cumulative counters `pages_parked`,
+`pages_recalled`, `bytes_to_host`, `bytes_to_device`, `hits`, `misses` and the gauge
+`host_bytes_in_use`; without a tier they report 0. Its `on_read` hook records each host read's
+latency into a histogram as it happens, as `on_mask_fill` does for masks.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ Obs = Iterable[tuple[float, dict[str, str]]]
 
 
 def kv_tier(engine: Any) -> Any | None:
-    runner = getattr(engine, "runner", None)
-    return getattr(engine, "kv_tier", None) or getattr(runner, "kv_tier", None)
+    return getattr(engine, "kv_tier", None)
 
 
 class EngineStats:

@@ -2,8 +2,8 @@
 
 transformers' forward spends, per layer, some forty torch calls on a decode step: two RMSNorms of
 six calls each, RoPE's fourteen, SiLU and the product, two residual adds, plus its own module and
-keyword plumbing. At decode sizes each call costs more in dispatch than in arithmetic: on
-SmolLM2-135M (30 layers) a one-token step spent ~20 ms of ~55 ms outside the matrix products.
+keyword plumbing. At decode sizes each call costs more in dispatch than in arithmetic: a small
+model's one-token step spends a large share of its time outside the matrix products.
 This forward walks the same modules (their weights, the packed linears, the rotary embedding,
 the paged attention function) with each step in one call: `fused_ops.c` on CPU in float32
 (residual add and norm in one pass, RoPE, SiLU times up), the same torch calls as

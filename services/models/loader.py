@@ -1,7 +1,7 @@
 """Model loading: a local Hugging Face folder, a GGUF file, or the default SmolLM2 shipped as GGUF
 in a package.
 
-The GGUF file loads in ~15 s (dequantization); the first load converts it to a safetensors folder in
+The GGUF file loads slowly (dequantization); the first load converts it to a safetensors folder in
 the cache so later loads take seconds. Offline only: nothing is fetched from a hub.
 """
 
@@ -57,7 +57,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file once and save it as a plain safetensors model folder."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to safetensors (one time, ~15 s)", gguf.name)
+    log.info("converting %s to safetensors (once)", gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )

@@ -2,11 +2,12 @@
 
 A decode step is a chain of small matrix products (a few rows against every weight of the model),
 bound by how fast the weights stream from memory. `F.linear` on CPU goes to MKL's sgemm with the
-weight as stored, which on SmolLM2 reads it at 9-15 GB/s; oneDNN with the weight reordered once
-into its blocked layout (what vLLM's CPU build and inductor's weight freezing do) takes the same
-products 1.4-2.5x faster at 1 to 1,024 rows (measured on the project's 2-core machines), the
-LM head most of all. Sibling layers fed the same input (q/k/v, gate/up) share one product, as
-vLLM's merged layers do, which saves another ~12% of a one-row step.
+weight as stored, which reads it well below the memory's bandwidth; oneDNN with the weight
+reordered once into its blocked layout (what vLLM's CPU build and inductor's weight freezing do)
+takes the same products faster from one row to a thousand (`benchmarks/vs_vllm.py` with
+`--structserve-args '{"packed_weights": false}'` measures the twin), the LM head most of all.
+Sibling layers fed the same input (q/k/v, gate/up) share one product, as vLLM's merged layers
+do, which saves a little more of a step.
 
 The model object stays usable by others (a transformers `generate` peer in a test or benchmark
 shares it): each linear keeps its weight and answers with `F.linear` unless called inside

@@ -209,11 +209,6 @@ class WorkerPool:
         for _ in range(workers):
             self._start_one()
 
-    @property
-    def start_error(self) -> str:
-        """Why the last worker start failed ('' once one started)."""
-        return self._start_error
-
     def in_flight(self, tenant: str) -> int:
         """The tenant's jobs on a worker, plus the restarts its jobs caused."""
         with self._cond:

@@ -23,7 +23,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # role -> "module:function": the function takes the setup and returns the job handler. Imported
 # in the worker only, so a validation worker never imports xgrammar or torch.
 ROLES = {
-    "compile": "services.compiler.worker:handler",
+    "compile": "services.compiler.compile_job:handler",
     "validate": "services.sandbox.validate:handler",
     "render": "services.sandbox.render:handler",
 }

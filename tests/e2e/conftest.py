@@ -23,7 +23,7 @@ from e2e_support import (
 )
 
 from deployments import local_ray
-from deployments.config import (
+from deployments.service_config import (
     GrammarServiceConfig,
     IngressConfig,
     TelemetryConfig,

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from deployments import cli
-from deployments.config import GrammarServiceConfig, LLMConfig, ServiceConfig
+from deployments.service_config import GrammarServiceConfig, LLMConfig, ServiceConfig
 
 KEY_A, KEY_B, KEY_SLOW = "sk-test-tenant-a", "sk-test-tenant-b", "sk-test-limited"
 KEY_ONE = "sk-test-one-at-a-time"

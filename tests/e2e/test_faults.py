@@ -12,7 +12,7 @@ import pytest
 import requests
 from e2e_support import KEY_A, small_config, wait_healthy
 
-from deployments.config import TenantConfig
+from deployments.service_config import TenantConfig
 from deployments.tenants import digest
 
 MODEL = "SmolLM2-135M-Instruct"

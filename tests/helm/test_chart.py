@@ -24,7 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deployments.config import ServiceConfig
+from deployments.service_config import ServiceConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "structserve"
@@ -129,8 +129,8 @@ def service_config_values_schema() -> Doc:
 
     schema = inline(full, ())
     schema["description"] = (
-        "deployments.config.ServiceConfig, passed as the Serve application's args; redis_url, "
-        "api_keys_file, ingress.port and ingress.host are set by the chart."
+        "deployments.service_config.ServiceConfig, passed as the Serve application's args; "
+        "redis_url, api_keys_file, ingress.port and ingress.host are set by the chart."
     )
     return schema
 
@@ -329,7 +329,7 @@ def test_values_schema_mirrors_service_config() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["additionalProperties"] is False
     assert schema["properties"]["serviceConfig"] == service_config_values_schema(), (
-        "values.schema.json's serviceConfig is out of date with deployments/config.py: "
+        "values.schema.json's serviceConfig is out of date with deployments/service_config.py: "
         "rewrite it with `python -m tests.helm.test_chart`"
     )
 

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from grammar_registry import GrammarSpec, RedisVerdicts, Verdict
 from services import LLM, SamplingParams, StructuredOutput
 from services.compiler import CompilerConfig, CompileService, ServiceGrammarProvider
-from services.engine.grammar import GrammarError
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.grammar import GrammarError
+from services.grammar.xgrammar_backend import XGrammarBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 DB = 13
@@ -105,7 +105,7 @@ def test_verdicts_are_stored_in_redis_and_reused(service, rclient):
 
 
 def test_a_quick_compile_ships_no_blob(backend):
-    from services.compiler.worker import compile_job
+    from services.compiler.compile_job import compile_job
 
     job = {"spec": GrammarSpec(kind="json_schema", source=person("size")).model_dump_json()}
     job |= {"mask_budget_ms": 20.0, "probe_steps": 8, "seed": 0}
@@ -133,15 +133,14 @@ def test_cached_and_fresh_grammars_decode_the_same_tokens(llm, provider, service
 SECOND_PROCESS = """
 import json, sys
 from services import LLM, SamplingParams, StructuredOutput
-from services.compiler import CompilerConfig, build_provider
+from services.compiler import CompilerConfig, provider_for
 from services.models import load_model
 
 def main():
-    llm = LLM(loaded=load_model(), kv_cache_memory=64 << 20, grammar_workers=1)
     # a Redis verdict cache needs the secret every process sharing it holds
     config = CompilerConfig(verdict_secret=sys.argv[3])
-    grammars = llm.engine.grammars
-    grammars.use_provider(build_provider(grammars.backend, 1, sys.argv[1], config))
+    provider = provider_for(1, sys.argv[1], config=config)
+    llm = LLM(loaded=load_model(), kv_cache_memory=64 << 20, grammar_provider=provider)
     params = SamplingParams(max_tokens=40, temperature=0,
                             structured=StructuredOutput(json_schema=json.loads(sys.argv[2])))
     out = llm.generate("Give a person as JSON.", params)[0]

@@ -23,8 +23,8 @@ import xgrammar as xgr
 from grammar_registry import GrammarSpec
 from grammar_registry.limits import GrammarLimits, check_limits
 from services.compiler import CompilerConfig, CompileService
-from services.compiler.worker import compile_job
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.compiler.compile_job import compile_job
+from services.grammar.xgrammar_backend import XGrammarBackend
 from services.sandbox import WorkerPool
 
 ROOT = Path(__file__).resolve().parents[2]

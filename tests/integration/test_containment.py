@@ -10,8 +10,8 @@ from hostile import CASES, QUESTION, SLOW_MASK_REGEX, Case, engine_request
 
 from grammar_registry.limits import GrammarLimits
 from services import LLM, KVPolicy, SamplingParams, StructuredOutput
-from services.engine.boundary import STAGES, FaultInjector
 from services.engine.engine import LLMEngine
+from services.engine.failures import STAGES, FaultInjector
 from services.engine.params import RequestOutput
 
 VICTIM = "The history of the printing press begins"

@@ -1,4 +1,4 @@
-"""The prepared device check (`benchmarks/gpu_check.py`, issue 22) end to end on CPU, so it cannot
+"""The prepared device check (`benchmarks/gpu_check.py`) end to end on CPU, so it cannot
 rot between the rare sessions that get a GPU.
 
 It runs `--device cpu --tiny` under a Python that holds only what the GPU machine brings (PyTorch,

@@ -1,4 +1,4 @@
-"""The backends by name and `auto`'s choice per grammar (services/engine/grammar/backends.py),
+"""The backends by name and `auto`'s choice per grammar (services/grammar/backends.py),
 on the real tokenizer: which backend each kind of grammar gets, fidelity under `auto`, and one
 bitmask filled by rows of both backends."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.grammar.backend import GrammarError
-from services.engine.grammar.backends import Backends, check_name
-from services.engine.params import StructuredOutput
+from services.grammar.backend import GrammarError
+from services.grammar.backends import Backends
+from services.grammar.structured import StructuredOutput, check_name
 
 PLAIN = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}

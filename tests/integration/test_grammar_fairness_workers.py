@@ -1,4 +1,4 @@
-"""Fair shares of grammar resolution with real compile workers (issue 17, the grammar path): one
+"""Fair shares of grammar resolution with real compile workers (the grammar path): one
 tenant's grammars that run to the deadline do not hold up another tenant's, and the worker
 restarts they cause are that tenant's to pay. The service is shaped as the grammar deployment
 builds it: two workers, one compile in flight per tenant.
@@ -15,8 +15,8 @@ from hostile import slow_compile_schema
 from grammar_registry import GrammarSpec
 from services import StructuredOutput
 from services.compiler import CompilerConfig, CompileService, ServiceGrammarProvider
-from services.engine.grammar import GrammarError
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.grammar import GrammarError
+from services.grammar.xgrammar_backend import XGrammarBackend
 
 DEADLINE_S = 1.5
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.grammar.backend import GrammarError
-from services.engine.grammar.llguidance_backend import LLGuidanceBackend, _utf8_prefix
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
-from services.engine.params import StructuredOutput
+from services.grammar.backend import GrammarError
+from services.grammar.llguidance_backend import LLGuidanceBackend, _utf8_prefix
+from services.grammar.structured import StructuredOutput
+from services.grammar.xgrammar_backend import XGrammarBackend
 
 
 @pytest.fixture(scope="module")

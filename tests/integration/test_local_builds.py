@@ -13,10 +13,10 @@ from hostile import DEEP, SLOW_MASK_REGEX
 
 from grammar_registry.limits import GrammarLimits
 from services.compiler.local_builds import LocalBuilds
-from services.engine.grammar.backend import CompiledGrammar, GrammarError
-from services.engine.grammar.backends import Backends
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
-from services.engine.params import StructuredOutput
+from services.grammar.backend import CompiledGrammar, GrammarError
+from services.grammar.backends import Backends
+from services.grammar.structured import StructuredOutput
+from services.grammar.xgrammar_backend import XGrammarBackend
 
 PLAIN = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 # llguidance knows no `uri-reference` format (a warning); xgrammar reports nothing for it

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import redis
 
-from deployments.config import TenantLimits
 from deployments.quota import DOWN_S, LEASE_S, LimitError, Quota
+from deployments.service_config import TenantLimits
 
 
 class Clock:

@@ -187,7 +187,7 @@ def test_sampling_with_drafts_finishes_and_follows_the_grammar(spec):
 def test_a_request_failing_inside_its_draft_walk_fails_alone(loaded_model, plain, monkeypatch):
     """An error while a drafted request's rows are walked (the repeat guard's 422 in real use)
     ends that request alone; the batch and the engine go on."""
-    from services.engine.boundary import RequestError
+    from services.engine.failures import RequestError
     from services.engine.speculative import Speculator
 
     llm = LLM(

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from services import LLM, SamplingParams, StructuredOutput
-from services.engine.grammar.fidelity import loosened_keywords
+from services.grammar.fidelity import loosened_keywords
 
 MASKBENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "maskbench"
 
@@ -200,9 +200,13 @@ class GatedProvider:
 
 def test_a_request_waiting_for_its_grammar_does_not_block_the_loop(loaded_model, llm, backend):
     gated = GatedProvider(llm.engine.grammars.backend)
-    other = LLM(loaded=loaded_model, kv_cache_memory=32 << 20, grammar_backend=backend)
+    other = LLM(
+        loaded=loaded_model,
+        kv_cache_memory=32 << 20,
+        grammar_backend=backend,
+        grammar_provider=gated,
+    )
     engine = other.engine
-    engine.grammars._provider = gated
     waiting = engine.add_request(prompt(other, "Pick."), params(StructuredOutput(choice=["ok"])))
     free = engine.add_request("Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     while not free.finished:

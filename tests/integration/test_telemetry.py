@@ -24,15 +24,15 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from deployments.config import (
+from deployments.grammar_service import GrammarService
+from deployments.replica import LLMReplica
+from deployments.service_config import (
     GrammarServiceConfig,
     LLMConfig,
     ServiceConfig,
     TenantConfig,
     TenantLimits,
 )
-from deployments.grammar_service import GrammarService
-from deployments.replica import LLMReplica
 from deployments.tenants import digest
 from grammar_registry.cache import LRUBytes
 from grammar_registry.specs import GrammarSpec

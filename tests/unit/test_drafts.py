@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.engine.config import SpeculativeConfig
 from services.engine.sampler import accept_or_resample
-from services.engine.speculative import SpeculativeConfig, ngram_draft
+from services.engine.speculative import ngram_draft
 
 
 @pytest.mark.parametrize(

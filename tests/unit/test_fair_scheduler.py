@@ -8,10 +8,11 @@ from collections import Counter
 
 from kvcache.pages import PageAllocator
 from services import SamplingParams
+from services.engine.config import SchedulingConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.fairness import FairShares
 from services.engine.request import Request
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.scheduler import Scheduler
 
 
 def request(rid: str, tenant: str, n_prompt: int = 8, max_tokens: int = 10_000) -> Request:
@@ -25,8 +26,9 @@ def request(rid: str, tenant: str, n_prompt: int = 8, max_tokens: int = 10_000) 
 
 
 def sched(weights=None, pages=10_000, fair=True, **cfg) -> Scheduler:
-    config = SchedulerConfig(page_size=4, fair=fair, **cfg)
-    return Scheduler(config, PageAllocator(pages), FairShares(weights or {}))
+    newcomer = cfg.pop("newcomer_steps", False)
+    config = SchedulingConfig(fair_scheduling=fair, **cfg)
+    return Scheduler(config, 4, PageAllocator(pages), FairShares(weights or {}), newcomer)
 
 
 def step(s: Scheduler, tokens: Counter | None = None) -> list:

@@ -1,6 +1,6 @@
 import pytest
 
-from services.engine.grammar.fidelity import loosened_keywords
+from services.grammar.fidelity import loosened_keywords
 
 
 @pytest.mark.parametrize(

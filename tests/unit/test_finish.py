@@ -8,7 +8,7 @@ import json
 import pytest
 import xgrammar as xgr
 
-from services.engine.grammar.finish import INT64, bounded, repeated_unit
+from services.grammar.finish import INT64, bounded, repeated_unit
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pydantic
 import pytest
 
 from services import StructuredOutput
-from services.engine.grammar import GrammarError
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.grammar import GrammarError
+from services.grammar.xgrammar_backend import XGrammarBackend
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Fair shares of grammar resolution between tenants (issue 17, the grammar path), with fakes:
+"""Fair shares of grammar resolution between tenants (the grammar path), with fakes:
 a scripted verdict source for the provider, fake worker processes for the pool and the service.
 
 What must hold: a busy verdict parks a load without holding a thread, and another tenant's grammar
@@ -20,9 +20,10 @@ import xgrammar as xgr
 from grammar_registry import GrammarSpec, Verdict
 from services import SamplingParams, StructuredOutput
 from services.compiler import CompilerConfig, CompileService, ServiceGrammarProvider
-from services.engine.grammar import GrammarError
-from services.engine.grammar.manager import GrammarManager
 from services.engine.request import Request, RequestStatus
+from services.engine.structured.manager import GrammarManager
+from services.grammar import GrammarError
+from services.grammar.backends import Backends
 from services.sandbox import WorkerPool
 from services.sandbox import pool as pool_module
 
@@ -230,7 +231,7 @@ def test_a_parked_load_nobody_waits_for_never_asks_again():
 def test_the_manager_releases_the_grammar_of_an_aborted_request():
     service = ScriptedService(slow=("A",))
     provider = provider_for(service, threads=2, tenant_threads=1)
-    manager = GrammarManager(None, 8, [], 4, provider=provider)
+    manager = GrammarManager(Backends(None, 8, []), provider, 4)
     try:
         blocker = provider.submit(regex(0), "A")
         assert until(lambda: service.inside == 1)

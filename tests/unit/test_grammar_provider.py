@@ -2,8 +2,10 @@ import threading
 import time
 
 from services import SamplingParams, StructuredOutput
-from services.engine.grammar.backend import CompiledGrammar
-from services.engine.grammar.provider import LocalGrammarProvider, spec_key
+from services.grammar.backend import CompiledGrammar
+from services.grammar.backends import Backends
+from services.grammar.canonical import structured_key
+from services.grammar.provider import LocalGrammarProvider
 
 
 class CountingBackend:
@@ -33,18 +35,19 @@ def test_identical_specs_compile_once_and_options_are_part_of_the_key():
     assert backend.calls == 4
 
 
-def test_spec_key_is_canonical():
+def test_structured_key_is_canonical():
     a = StructuredOutput(json_schema={"b": 1, "a": {"y": 2, "x": 1}})
     b = StructuredOutput(json_schema={"a": {"x": 1, "y": 2}, "b": 1})
-    assert spec_key(a) == spec_key(b)
-    assert spec_key(a) != spec_key(StructuredOutput(json_schema={"a": 1}))
+    assert structured_key(a) == structured_key(b)
+    assert structured_key(a) != structured_key(StructuredOutput(json_schema={"a": 1}))
 
 
 def test_a_structured_request_holds_the_one_canonical_key():
-    from services.engine.grammar.manager import GrammarManager
     from services.engine.request import Request
+    from services.engine.structured.manager import GrammarManager
 
-    manager = GrammarManager(None, 8, [], 4, provider=LocalGrammarProvider(CountingBackend()))  # type: ignore[arg-type]
+    provider = LocalGrammarProvider(CountingBackend())  # type: ignore[arg-type]
+    manager = GrammarManager(Backends(None, 8, []), provider, 4)
     a = StructuredOutput(json_schema={"b": 1, "a": 2})
     reqs = []
     for i, spec in enumerate(
@@ -58,7 +61,7 @@ def test_a_structured_request_holds_the_one_canonical_key():
         manager.attach(req)
         reqs.append(req)
     keys = [r.structured.key for r in reqs]
-    assert keys[0] == keys[1] == spec_key(a) and keys[2] != keys[0]
+    assert keys[0] == keys[1] == structured_key(a) and keys[2] != keys[0]
     assert all(r.structured.future.result(timeout=5).handle == "json_schema" for r in reqs)
     assert not reqs[0].ready  # compiled, waiting for the engine to give it a state
     manager.shutdown()
@@ -71,7 +74,7 @@ def test_a_downgrade_goes_where_the_backend_that_compiled_it_lives():
 
     from grammar_registry import GrammarSpec
     from services.compiler import ServiceGrammarProvider
-    from services.engine.grammar import GrammarError
+    from services.grammar import GrammarError
 
     calls: list[tuple[str, str]] = []
 
@@ -98,3 +101,26 @@ def test_a_downgrade_goes_where_the_backend_that_compiled_it_lives():
         time.sleep(0.01)
     assert calls == [("local", "t1"), ("service", "t2")]
     provider.shutdown()
+
+
+def test_the_manager_takes_a_provider_or_what_makes_one_from_the_backends():
+    """An engine is handed its provider, or a factory called with the model's backends on the
+    first structured request (a provider's class is such a factory)."""
+    from services.engine.structured.manager import GrammarManager
+
+    backends = Backends(None, 8, [])
+    made: list = []
+
+    def factory(given):
+        made.append(given)
+        return LocalGrammarProvider(CountingBackend())  # type: ignore[arg-type]
+
+    lazy = GrammarManager(backends, factory, 4)
+    assert not made  # nothing built for unconstrained traffic
+    assert isinstance(lazy.provider, LocalGrammarProvider) and made == [backends]
+    as_class = GrammarManager(backends, LocalGrammarProvider, 4)
+    assert as_class.provider.backend is backends
+    given = LocalGrammarProvider(CountingBackend())  # type: ignore[arg-type]
+    assert GrammarManager(backends, given, 4).provider is given
+    for manager in (lazy, as_class):
+        manager.shutdown()

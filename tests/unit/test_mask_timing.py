@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from services.engine.grammar.masks import MaskFiller
+from services.engine.structured.masks import MaskFiller
 
 
 class _Backend:

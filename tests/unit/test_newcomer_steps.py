@@ -1,4 +1,4 @@
-"""Newcomer steps (SchedulerConfig.newcomer_steps): a tenant with nothing running has its first
+"""Newcomer steps (EngineConfig.newcomer_steps): a tenant with nothing running has its first
 chunk computed in a step of its own, never two such steps in a row; the plain twin mixes it into
 the batch. Step by step on a simulated engine (no model)."""
 

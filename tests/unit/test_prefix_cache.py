@@ -10,11 +10,12 @@ from kvcache.pages import KVLayout, OutOfPages, PagedKVCache
 from kvcache.policies import new_state
 from kvcache.prefix import PrefixCachingAllocator, extend_keys, refresh_bounds, root_key
 from services import SamplingParams
+from services.engine.config import SchedulingConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.params import KVPolicy
 from services.engine.prefix_cache import PrefixCache
 from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from services.engine.scheduler import Scheduler, SchedulerOutput
 
 PS = 4
 
@@ -115,7 +116,7 @@ def make_request(rid, tokens, tenant="t", max_tokens=8, kv=None, **params) -> Re
 def caching_scheduler(num_pages=64, **cfg) -> tuple[Scheduler, PrefixCache]:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, page_size=PS, dtype=torch.float32)
     kv = PagedKVCache(layout, num_pages, torch.device("cpu"), PrefixCachingAllocator)
-    s = Scheduler(SchedulerConfig(page_size=PS, **cfg), kv.allocator)
+    s = Scheduler(SchedulingConfig(**cfg), PS, kv.allocator)
     s.prefix = PrefixCache(kv, "m")
     return s, s.prefix
 

@@ -1,8 +1,9 @@
 from kvcache.pages import PageAllocator
 from services import SamplingParams
+from services.engine.config import SchedulingConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.scheduler import Scheduler
 
 
 def make_request(rid: str, n_prompt: int, max_tokens: int = 8) -> Request:
@@ -24,8 +25,9 @@ def apply(out, token: int = 7) -> None:
 
 
 def sched(num_pages=100, **cfg) -> Scheduler:
-    config = SchedulerConfig(page_size=4, **cfg)
-    return Scheduler(config, PageAllocator(num_pages))
+    newcomer = cfg.pop("newcomer_steps", False)
+    config = SchedulingConfig(**cfg)
+    return Scheduler(config, 4, PageAllocator(num_pages), newcomer_steps=newcomer)
 
 
 def test_chunked_prefill_fills_the_token_budget():

@@ -12,8 +12,8 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from deployments.config import ServiceConfig
 from deployments.quota import LimitError
+from deployments.service_config import ServiceConfig
 from deployments.tenants import (
     AuthError,
     Tenants,

@@ -169,7 +169,7 @@ def test_a_template_without_tools_gets_them_in_a_system_prompt(tokenizer):
 
 
 def test_strict_fidelity_reports_loosened_keywords_inside_tool_arguments():
-    from services.engine.grammar.fidelity import loosened_in_tag
+    from services.grammar.fidelity import loosened_in_tag
 
     tools_ = [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]
     tag = tools.structural_tag(body(tools=tools_, tool_choice="required"))

@@ -14,7 +14,8 @@ from deployments.protocol import (
     template_options,
 )
 from deployments.translate import sampling_from
-from services.engine.params import SamplingParams, StructuredOutput
+from services.engine.params import SamplingParams
+from services.grammar.structured import StructuredOutput
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

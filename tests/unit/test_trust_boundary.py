@@ -15,11 +15,11 @@ import xgrammar as xgr
 from test_grammar_fairness import FakeBackend, ScriptedService, regex
 
 from deployments.answers import ApiError
-from deployments.config import ServiceConfig, TenantConfig, TenantLimits
 from deployments.edge import BodyLimits, screen
 from deployments.gate import Gate
 from deployments.observe import RequestObs
 from deployments.quota import Quota
+from deployments.service_config import ServiceConfig, TenantConfig, TenantLimits
 from deployments.tenants import Tenants, digest
 from grammar_registry import GrammarSpec
 from services.compiler import CompilerConfig, CompileService, ServiceGrammarProvider
@@ -224,7 +224,7 @@ def test_inline_grammars_are_compiled_per_tenant_unless_shared(share):
 def test_a_downgrade_holds_on_cache_hits_too():
     """Shared: A's downgrade (masks too slow in its decoding) refuses A even though the
     compiled grammar stays in the L1 for B."""
-    from services.engine.grammar import GrammarError
+    from services.grammar import GrammarError
 
     service = ScriptedService()
     provider = ServiceGrammarProvider(FakeBackend(), service, share_inline=True)  # type: ignore[arg-type]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from hostile import chained_if_then
 
-from services.engine.grammar.backend import CompiledGrammar
-from services.engine.grammar.validation import OutputValidator
+from services.engine.structured.validation import OutputValidator
+from services.grammar.backend import CompiledGrammar
 from services.sandbox.validate import SchemaValidator, Validators, schema_text
 
 MASKBENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "maskbench"

@@ -1,13 +1,19 @@
-"""Between the engine's `StructuredOutput` and the registry's `GrammarSpec`."""
+"""Between a request's `StructuredOutput` and the registry's `GrammarSpec`, and the one key.
+
+`GrammarSpec.canonical()` is the canonical form of a grammar: the compile cache keys by its digest
+(`grammar_registry.specs.grammar_key`), and `structured_key` builds on it.
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import fields
 from typing import Any
 
 from grammar_registry.specs import GrammarOptions, GrammarSpec
-from services.engine.grammar.backend import GrammarError
-from services.engine.grammar.xgrammar_backend import grammar_syntax, json_schema_of
-from services.engine.params import StructuredOutput
+from services.grammar.backend import GrammarError
+from services.grammar.structured import StructuredOutput
+from services.grammar.xgrammar_backend import grammar_syntax, json_schema_of
 
 
 def to_spec(so: StructuredOutput) -> GrammarSpec:
@@ -63,3 +69,19 @@ def schema_of(spec: GrammarSpec) -> dict[str, Any] | None:
     if spec.kind == "json_object":
         return {"type": "object"}
     return None
+
+
+_GRAMMAR_FIELDS = frozenset({"json_schema", "json_object", "regex", "choice", "grammar"})
+_GRAMMAR_FIELDS |= {"structural_tag", "grammar_id"}
+
+
+def structured_key(so: StructuredOutput) -> str:
+    """A request's grammar by one key: the spec's canonical form (`GrammarSpec.canonical`), or
+    its `grammar_id`, then every option of `so` as given (how the grammar is judged and used as
+    well as built). `GrammarError` for a spec that has no canonical form (a schema that is not
+    JSON, say)."""
+    grammar = (
+        json.dumps({"grammar_id": so.grammar_id}) if so.grammar_id else to_spec(so).canonical()
+    )
+    options = {f.name: getattr(so, f.name) for f in fields(so) if f.name not in _GRAMMAR_FIELDS}
+    return grammar + json.dumps(options, sort_keys=True, separators=(",", ":"))

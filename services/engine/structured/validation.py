@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from services.engine.grammar.backend import CompiledGrammar
+from services.grammar.backend import CompiledGrammar
 from services.sandbox.validate import SchemaValidator, Verdict, schema_text
 
 # Past the worker's own deadline: the time to take a worker, send the job and hear back (a

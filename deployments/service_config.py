@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from grammar_registry.limits import GrammarLimits
-from grammar_registry.tenants import RegistrationCaps
+from services.compiler.service import CompileSettings
 from services.engine.config import EngineConfig
+from services.grammar.backend import MASK_BUDGET_MS
 
 
 class _Strict(BaseModel):
@@ -67,19 +67,19 @@ class LLMConfig(Backpressure):
     def _model_at_top(cls, engine: EngineConfig) -> EngineConfig:
         if engine.model is not None:
             raise ValueError("llm.engine.model: name the model in the top-level `model` field")
+        if engine.mask_budget_ms != MASK_BUDGET_MS:
+            raise ValueError("llm.engine.mask_budget_ms: set it once, as grammar.mask_budget_ms")
         return engine
 
 
-class GrammarServiceConfig(Backpressure):
+class GrammarServiceConfig(Backpressure, CompileSettings):
+    """The GrammarService's deployment and its compile service (`CompileSettings`: workers,
+    deadline_s, mask_budget_ms, limits, caps)."""
+
     # inline grammars' compiled forms, verdicts and timings shared between tenants; off: each
     # tenant's are its own (another tenant's request cannot tell what it sent by how fast its
     # own compiles). Registered grammars are always the registering tenant's.
     share_inline_cache: bool = False
-    workers: int = Field(default=2, ge=1)
-    deadline_s: float = Field(default=10.0, gt=0)
-    mask_budget_ms: float = Field(default=20.0, gt=0)
-    limits: GrammarLimits = GrammarLimits()
-    caps: RegistrationCaps = RegistrationCaps()
 
 
 TENANT_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # it becomes part of Redis keys and metric labels

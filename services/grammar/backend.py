@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 import xgrammar as xgr
 
-from services.engine.params import StructuredOutput
+from services.grammar.structured import StructuredOutput
 
 
 class GrammarError(ValueError):
@@ -31,6 +31,10 @@ class GrammarError(ValueError):
     def __reduce__(self) -> tuple[type, tuple[str, str, int]]:  # crosses process boundaries
         return (type(self), (str(self), self.reason, self.status))
 
+
+# The mask budget: a grammar whose probe masks take longer is refused at admission, and one whose
+# masks run over it while decoding fails its request. One default for every config that holds it.
+MASK_BUDGET_MS = 20.0
 
 MAX_JSON_TEXT_DEPTH = 128  # past the grammar limits' 64: those name the limit, this only guards
 
@@ -69,7 +73,7 @@ class CompiledGrammar:
     handle: Any
     warnings: list[str] = field(default_factory=list)
     schema: dict[str, Any] | None = None  # for validating JSON outputs after decoding
-    # `schema` as JSON text, made on its first validation (grammar/validation.py)
+    # `schema` as JSON text, made on its first validation (structured/validation.py)
     schema_text: str | None = field(default=None, repr=False, compare=False)
     backend: str = "xgrammar"  # the backend whose handle this is (grammar/backends.py)
 

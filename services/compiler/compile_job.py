@@ -15,7 +15,7 @@ from typing import Any
 import xgrammar as xgr
 
 from services.compiler.probe import PROBE_STEPS, probe_masks
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
+from services.grammar.xgrammar_backend import XGrammarBackend
 
 
 def handler(setup: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -37,8 +37,8 @@ def compile_job(backend: Any, job: dict[str, Any]) -> dict[str, Any]:
     """`job`: `spec` (GrammarSpec JSON), `mask_budget_ms`, `probe_steps`, `blob_min_compile_s`
     (a quicker compile ships no blob: the replica compiles it again faster than it would load)."""
     from grammar_registry.specs import GrammarSpec
-    from services.compiler.specs import to_structured
-    from services.engine.grammar.backend import GrammarError
+    from services.grammar.backend import GrammarError
+    from services.grammar.canonical import to_structured
 
     spec = GrammarSpec.model_validate_json(job["spec"])
     so = to_structured(spec)

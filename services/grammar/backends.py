@@ -23,22 +23,16 @@ from typing import Any
 import torch
 
 from grammar_registry.limits import GrammarLimits
-from services.engine.grammar.backend import (
+from services.grammar.backend import (
     CompiledGrammar,
     GrammarError,
     GrammarState,
     allocate_bitmask,
     apply_bitmask,
 )
-from services.engine.grammar.xgrammar_backend import XGrammarBackend
-from services.engine.params import GRAMMAR_BACKENDS
-
-BACKENDS = (*GRAMMAR_BACKENDS, "auto")  # a request pins one of the first two
-
-
-def check_name(field: str, name: str | None) -> None:
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"{field}: {name!r} is not one of {', '.join(BACKENDS)}")
+from services.grammar.structured import check_name
+from services.grammar.xgrammar_backend import XGrammarBackend
+from services.models import eos_token_ids
 
 
 class Backends:
@@ -52,6 +46,7 @@ class Backends:
         limits: GrammarLimits | None = None,
     ) -> None:
         check_name("grammar_backend", default)
+        self.tokenizer = tokenizer
         self.default = default
         self.vocab_size = vocab_size
         self._args = (tokenizer, vocab_size, stop_token_ids)
@@ -78,7 +73,7 @@ class Backends:
     def llguidance(self) -> Any:
         with self._building:
             if self._llguidance is None:
-                from services.engine.grammar.llguidance_backend import LLGuidanceBackend
+                from services.grammar.llguidance_backend import LLGuidanceBackend
 
                 self._llguidance = LLGuidanceBackend(*self._args, limits=self.limits)
             return self._llguidance
@@ -128,3 +123,25 @@ def prefer(guided: CompiledGrammar, compiled: CompiledGrammar) -> CompiledGramma
     if compiled.warnings and len(guided.warnings) <= len(compiled.warnings):
         return guided
     return compiled
+
+
+def for_model(
+    tokenizer: Any, config: Any, generation_config: Any, default: str = "xgrammar"
+) -> Backends:
+    """A model's backends from its tokenizer and configs (no weights): the one way they are
+    built, in the engine and in the compile service alike, so both see one vocabulary and one
+    set of stop tokens (the compile cache's keys and verdicts depend on it)."""
+    stop = sorted(eos_token_ids(generation_config, config, tokenizer))
+    return Backends(tokenizer, int(config.vocab_size), stop, default)
+
+
+def from_folder(folder: str) -> Backends:
+    """`for_model` for a model folder, reading its tokenizer and configs only."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        generation = None
+    config = AutoConfig.from_pretrained(folder)
+    return for_model(AutoTokenizer.from_pretrained(folder), config, generation)

@@ -9,16 +9,16 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from services.engine.grammar.backend import (
+from services.grammar.backend import (
     CompiledGrammar,
     GrammarError,
     allocate_bitmask,
     apply_bitmask,
     load_json_text,
 )
-from services.engine.grammar.fidelity import loosened_in_tag, loosened_keywords
-from services.engine.grammar.finish import bounded
-from services.engine.params import StructuredOutput
+from services.grammar.fidelity import loosened_in_tag, loosened_keywords
+from services.grammar.finish import bounded
+from services.grammar.structured import StructuredOutput
 
 # The compiler's own cache is unbounded by default (a memory DoS); ours sits in front of it.
 COMPILER_CACHE_BYTES = 256 << 20

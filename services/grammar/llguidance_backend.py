@@ -25,15 +25,15 @@ import llguidance.torch
 import torch
 
 from grammar_registry.limits import GrammarLimits
-from services.engine.grammar.backend import (
+from services.grammar.backend import (
     CompiledGrammar,
     GrammarError,
     allocate_bitmask,
     apply_bitmask,
 )
-from services.engine.grammar.fidelity import loosened_keywords
-from services.engine.grammar.xgrammar_backend import fidelity_error, grammar_syntax, json_schema_of
-from services.engine.params import StructuredOutput
+from services.grammar.fidelity import loosened_keywords
+from services.grammar.structured import StructuredOutput
+from services.grammar.xgrammar_backend import fidelity_error, grammar_syntax, json_schema_of
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

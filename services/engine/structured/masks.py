@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.grammar.backend import GrammarBackend
 from services.engine.request import Request
+from services.grammar.backend import GrammarBackend
 
 
 @dataclass

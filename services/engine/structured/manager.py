@@ -20,15 +20,15 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from services.engine.boundary import RequestError
-from services.engine.grammar.backend import GrammarError
-from services.engine.grammar.backends import Backends
-from services.engine.grammar.finish import MAX_UNIT, repeated_unit
-from services.engine.grammar.masks import MaskFiller, PendingMasks
-from services.engine.grammar.provider import GrammarProvider, LocalGrammarProvider
-from services.engine.grammar.validation import OutputValidator
+from services.engine.failures import RequestError
 from services.engine.params import FinishReason
 from services.engine.request import Request, StructuredRequest
+from services.engine.structured.masks import MaskFiller, PendingMasks
+from services.engine.structured.validation import OutputValidator
+from services.grammar.backend import MASK_BUDGET_MS, GrammarError
+from services.grammar.backends import Backends
+from services.grammar.finish import MAX_UNIT, repeated_unit
+from services.grammar.provider import GrammarProvider, ProviderFactory
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,13 @@ class _Releasing(Protocol):
     def release(self, future: Future[Any]) -> None: ...
 
 
+@runtime_checkable
+class _Provider(Protocol):
+    """Tells a provider from a factory of one."""
+
+    def submit(self, spec: Any, tenant: str = "default") -> Future[Any]: ...
+
+
 def _no_check(stage: str, req: Request) -> None:
     pass
 
@@ -57,33 +64,31 @@ def _internal(stage: str, exc: Exception) -> str:
 
 
 class GrammarManager:
+    """`provider`: where compiled grammars come from, or a factory that makes it from the
+    model's backends (called on the first structured request: unconstrained traffic never
+    starts a compile service)."""
+
     def __init__(
         self,
-        tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: list[int],
+        backend: Backends,
+        provider: GrammarProvider | ProviderFactory,
         max_rows: int,
         overlap: bool = True,
-        provider: GrammarProvider | None = None,
-        backend: Backends | None = None,
-        grammar_backend: str = "xgrammar",
-        workers: int = 0,
-        redis_url: str | None = None,
-        mask_budget_ms: float = 20.0,
+        mask_budget_ms: float = MASK_BUDGET_MS,
         mask_strikes: float = 3.0,
         validation_timeout_s: float = 1.0,
         sandbox_workers: int = 2,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
-        self._stop_token_ids = stop_token_ids
+        self.backend = backend
+        self._tokenizer = backend.tokenizer
         self._max_rows = max_rows
         self._overlap = overlap
-        self._backend = backend
-        self._backend_name = grammar_backend
-        self._provider = provider
-        self._workers = workers
-        self._redis_url = redis_url
+        self._provider: GrammarProvider | None = None
+        self._factory: ProviderFactory | None = None
+        if isinstance(provider, _Provider) and not isinstance(provider, type):  # a class makes one
+            self._provider = provider
+        else:
+            self._factory = provider
         self._masks: MaskFiller | None = None
         self._pending: list[Request] = []
         self._whitespace: dict[int, bool] = {}
@@ -99,27 +104,10 @@ class GrammarManager:
         self.on_mask_fill: Callable[[float], None] | None = None
 
     @property
-    def backend(self) -> Backends:
-        # Each backend is built on first use: unconstrained traffic never scans the tokenizer.
-        if self._backend is None:
-            self._backend = Backends(
-                self._tokenizer, self._vocab_size, self._stop_token_ids, self._backend_name
-            )
-        return self._backend
-
-    def use_provider(self, provider: GrammarProvider) -> None:
-        """Replaces the provider before the first structured request (a serving replica's)."""
-        self._provider = provider
-
-    @property
     def provider(self) -> GrammarProvider:
         if self._provider is None:
-            if self._workers > 0:
-                from services.compiler import build_provider  # the service imports the engine
-
-                self._provider = build_provider(self.backend, self._workers, self._redis_url)
-            else:
-                self._provider = LocalGrammarProvider(self.backend)
+            assert self._factory is not None
+            self._provider = self._factory(self.backend)
         return self._provider
 
     @property

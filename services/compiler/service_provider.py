@@ -36,11 +36,11 @@ from services.compiler.futures import done, failed, pipe, settle, then
 from services.compiler.local_builds import LocalBuilds
 from services.compiler.resolving import Resolved, VerdictSource, ended
 from services.compiler.service import raise_for
-from services.compiler.specs import schema_of, to_spec, to_structured
-from services.engine.grammar.backend import CompiledGrammar, GrammarError
-from services.engine.grammar.fidelity import loosened_keywords
-from services.engine.grammar.xgrammar_backend import XGrammarBackend, fidelity_error
-from services.engine.params import StructuredOutput
+from services.grammar.backend import CompiledGrammar, GrammarError
+from services.grammar.canonical import schema_of, to_spec, to_structured
+from services.grammar.fidelity import loosened_keywords
+from services.grammar.structured import StructuredOutput
+from services.grammar.xgrammar_backend import XGrammarBackend, fidelity_error
 from services.telemetry import spans
 
 log = logging.getLogger(__name__)

@@ -1,20 +1,25 @@
 """Where compiled grammars come from. The engine asks a `GrammarProvider` and waits on a future.
 
-`LocalGrammarProvider` compiles in-process on a worker thread with a small LRU in front; the grammar
-registry's compile service (killable worker processes, Redis cache, limits) implements the same
-interface and replaces it without touching the engine.
+`LocalGrammarProvider` compiles in-process on a worker thread with a small LRU in front (the plain
+twin, `grammar_workers=0`); the compile service's provider (services/compiler/: killable worker
+processes, limits, a probe, the Redis cache) implements the same interface. Whoever builds an
+engine hands it one, or a `ProviderFactory` that makes one from the model's backends.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from services.engine.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError
-from services.engine.params import StructuredOutput
+from services.grammar.backend import CompiledGrammar, GrammarBackend, GrammarError
+from services.grammar.canonical import structured_key
+from services.grammar.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    from services.grammar.backends import Backends
 
 
 class GrammarProvider(Protocol):
@@ -34,12 +39,8 @@ class GrammarProvider(Protocol):
         ...
 
 
-def spec_key(spec: StructuredOutput) -> str:
-    """A canonical key: sorted JSON of the spec and its options."""
-    data = {k: v for k, v in vars(spec).items() if v is not None and v is not False}
-    if isinstance(spec.json_schema, type) and hasattr(spec.json_schema, "model_json_schema"):
-        data["json_schema"] = spec.json_schema.model_json_schema()
-    return json.dumps(data, sort_keys=True, default=str)
+# Makes an engine's provider from the model's backends, which exist only once the model is loaded.
+ProviderFactory = Callable[["Backends"], GrammarProvider]
 
 
 class LocalGrammarProvider:
@@ -52,7 +53,12 @@ class LocalGrammarProvider:
         self.num_compiles = 0
 
     def submit(self, spec: StructuredOutput, tenant: str = "default") -> Future[CompiledGrammar]:
-        key = spec_key(spec)
+        try:
+            key = structured_key(spec)
+        except GrammarError as exc:  # no canonical form: nothing to cache either
+            refused: Future[CompiledGrammar] = Future()
+            refused.set_exception(exc)
+            return refused
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -71,7 +77,7 @@ class LocalGrammarProvider:
         refused: Future[CompiledGrammar] = Future()
         refused.set_exception(error)
         with self._lock:
-            self._cache[spec_key(spec)] = refused
+            self._cache[structured_key(spec)] = refused
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
