@@ -86,10 +86,12 @@ def serve_command(args: argparse.Namespace) -> int:
     # replicas inherit it: set before Ray starts). A new one only means recompiles.
     os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", secrets.token_urlsafe(32))
 
+    from deployments import local_ray
+
+    local_ray.environment()  # before ray is imported: it reads its settings then
     import ray
     from ray import serve
 
-    from deployments import local_ray
     from deployments.app import build_app
 
     local_ray.start(log_to_driver=args.verbose)
