@@ -8,9 +8,10 @@ stream, each at most `--rate` a second (2 x 5/s: the default tenant's 600 a minu
 again; `--repeats` times. The `benign` row sends a plain `/tokenize` the same way: the price of
 sharing two cores with any traffic at that rate; `benign_long_tool` a valid tool call whose
 listing makes a prompt as long as the freezing tool's (its prefill is a step of seconds on a
-CPU). Reported per case: the victim's inter-token gap p50 and p99 beside / alone (target:
-p99 <= 2), its time to first token beside / alone, the hostile answers' statuses and their
-slowest answer, and whether `/healthz` stayed 200.
+CPU). The `slow_mask` rows send regexes whose masks cost seconds on the attacker's path, one
+request at a time, each a new grammar (`SLOW_MASKS`). Reported per case: the victim's
+inter-token gap p50 and p99 beside / alone (target: p99 <= 2), its time to first token beside /
+alone, the hostile answers' statuses and their slowest answer, and whether `/healthz` stayed 200.
 
     .venv/bin/python benchmarks/containment.py --http [--tokens 64] [--repeats 2] [--rate 5]
 
@@ -97,6 +98,38 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+def _letters(i: int) -> str:
+    """A literal unique to request `i` (letters: digits would be counts, the same family)."""
+    out = ""
+    while True:
+        i, r = divmod(i, 26)
+        out += chr(ord("a") + r)
+        if not i:
+            return out
+
+
+def _slow_mask(regex: Any, bias: bool = False) -> Any:
+    """A slow-mask body per request `i` and the 'z' token's id (what `logit_bias` steers to)."""
+
+    def body(i: int, z: int) -> dict[str, Any]:
+        extra: dict[str, Any] = {"logit_bias": {str(z): 100}} if bias else {}
+        return _chat(max_tokens=128, structured_outputs={"regex": regex(i)}, **extra)[1]
+
+    return body
+
+
+# The straggler the design warns of (masks of seconds on the attacker's path), sent one at a time
+# by one tenant, each request a new grammar: other counts (the probe follows the family's slow
+# text), and new families the probe's walk cannot reach (only the mask deadline stands there).
+SLOW_MASKS: dict[str, Any] = {
+    "deep_variants": _slow_mask(lambda i: f"([ab]\\n){{{12 + i}}}(.?){{0,1000}}"),
+    "rare_steered_variants": _slow_mask(
+        lambda i: f"(c[a-y ]{{0,40}}|zqxjv(.?){{{i % 50},1000}})", bias=True
+    ),
+    "deep_new_families": _slow_mask(lambda i: f"{_letters(i)}([ab]\\n){{40}}(.?){{0,1000}}"),
+}
+
+
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
@@ -128,9 +161,13 @@ class Hostile:
     """`senders` threads sending the case's request until stopped; statuses and answer times."""
 
     def __init__(
-        self, url: str, route: str, body: dict[str, Any], senders: int, rate: float
+        self, url: str, route: str, body: dict[str, Any] | Any, senders: int, rate: float
     ) -> None:
-        self.url, self.route, self.raw = url, route, json.dumps(body).encode()
+        """`body`: the request, or a function of the request's number making each one."""
+        self.url, self.route = url, route
+        raw = json.dumps(body).encode() if not callable(body) else b""
+        self.body = body if callable(body) else (lambda i: raw)
+        self.sent = itertools.count()
         self.period = 1.0 / rate
         self.stop = threading.Event()
         self.statuses: Counter[int] = Counter()
@@ -141,10 +178,10 @@ class Hostile:
         headers = {"Authorization": f"Bearer {KEYS['hostile']}", "Content-Type": "application/json"}
         while not self.stop.is_set():
             start = time.perf_counter()
+            raw = self.body(next(self.sent))
+            raw = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
             try:
-                r = requests.post(
-                    f"{self.url}{self.route}", data=self.raw, headers=headers, timeout=300
-                )
+                r = requests.post(f"{self.url}{self.route}", data=raw, headers=headers, timeout=300)
                 status = r.status_code
             except requests.RequestException:
                 status = -1
@@ -171,6 +208,14 @@ def health_watch(url: str, stop: threading.Event, seen: Counter[int]) -> None:
         except requests.RequestException:
             seen[-1] += 1
         stop.wait(0.5)
+
+
+def _token_id(url: str, text: str) -> int:
+    headers = {"Authorization": f"Bearer {KEYS['victim']}"}
+    body = {"model": MODEL, "prompt": text}
+    r = requests.post(f"{url}/tokenize", json=body, headers=headers, timeout=60)
+    r.raise_for_status()
+    return int(r.json()["tokens"][-1])  # after a start token, where the tokenizer adds one
 
 
 def warm_up(url: str) -> None:
@@ -207,7 +252,7 @@ def deploy(port: int) -> str:
     os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", "bench-verdict-secret-0123456789")
     local_ray.start(log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    hostile = TenantLimits(requests_per_minute=1_000_000, max_concurrent=8, max_tokens=64)
+    hostile = TenantLimits(requests_per_minute=1_000_000, max_concurrent=8, max_tokens=256)
     cfg = ServiceConfig(
         redis_url=redis_url,
         tenants=[
@@ -227,8 +272,12 @@ def run(
 ) -> None:
     url = deploy(port)
     warm_up(url)
+    z = _token_id(url, "z")
+    cases = {name: (group, route, body, senders) for name, (group, route, body) in CASES.items()}
+    for name, make in SLOW_MASKS.items():  # one request at a time
+        cases[name] = ("slow_mask", "/v1/chat/completions", lambda i, m=make: m(i, z), 1)
     rows = []
-    for name, (group, route, body) in CASES.items():
+    for name, (group, route, body, senders) in cases.items():
         if wanted and name not in wanted:
             continue
         alone: list[float] = []

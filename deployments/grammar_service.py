@@ -18,6 +18,7 @@ from pydantic import SecretStr
 from deployments.service_config import ServiceConfig
 from deployments.telemetry_hub import setup
 from grammar_registry.cache import Verdict
+from grammar_registry.family import MAX_PATH_CHARS
 from grammar_registry.registrations import RegistrationError
 from grammar_registry.specs import GrammarSpec
 from services import settings, telemetry
@@ -86,11 +87,13 @@ class GrammarService:
             _end_verdict_span(span, verdict)
 
     async def downgrade(
-        self, spec_json: str, tenant: str, scope: str, reason: str, error: str
+        self, spec_json: str, tenant: str, scope: str, reason: str, error: str, path: str = ""
     ) -> None:
-        """A replica saw the grammar's masks run over budget while decoding."""
+        """A replica saw the grammar's masks run over budget while decoding (`path`: the output
+        that reached the slow mask)."""
         spec = GrammarSpec.model_validate_json(spec_json)
-        await asyncio.to_thread(self.service.downgrade, spec, tenant, scope, reason, error)
+        down = self.service.downgrade
+        await asyncio.to_thread(down, spec, tenant, scope, reason, error, path[:MAX_PATH_CHARS])
 
     async def resolve(self, tenant: str, grammar_id: str) -> dict[str, Any]:
         try:
@@ -183,10 +186,10 @@ class RemoteVerdicts:
         return result
 
     def downgrade(
-        self, spec: GrammarSpec, tenant: str, scope: str, reason: str, error: str
+        self, spec: GrammarSpec, tenant: str, scope: str, reason: str, error: str, path: str = ""
     ) -> None:
-        call = self.handle.downgrade.remote(spec.model_dump_json(), tenant, scope, reason, error)
-        call.result(timeout_s=REMOTE_TIMEOUT_S)
+        args = (spec.model_dump_json(), tenant, scope, reason, error, path)
+        self.handle.downgrade.remote(*args).result(timeout_s=REMOTE_TIMEOUT_S)
 
     def resolve(self, tenant: str, grammar_id: str) -> GrammarSpec:
         out = self.handle.resolve.remote(tenant, grammar_id).result(timeout_s=REMOTE_TIMEOUT_S)

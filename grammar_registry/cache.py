@@ -65,6 +65,8 @@ class Verdict:
     # the grammar backend it is for (its blob is that backend's): the service's are xgrammar's;
     # llguidance's stay in the replica that built them (services/compiler/local_builds.py)
     backend: str = "xgrammar"
+    # a family record's slow members (grammar_registry/family.py): {"counts", "path"} each
+    slow: list[dict[str, Any]] = field(default_factory=list)
     # where this answer came from (telemetry's cache level: recent, redis, compiled, rejected);
     # per lookup, so never stored
     source: str = ""

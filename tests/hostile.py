@@ -18,6 +18,10 @@ SLOW_MASK_REGEX = '"' + "abcdefghij" * 6 + "(.{0,8}){0,8}"
 # the same trap with a shorter fuse: first mask ~0.15 s, then cheap ones, so a probe's median can
 # pass it and the decode-time budget must catch it
 SLOW_ONCE_REGEX = '"' + "abcdefghij" * 6 + "(.{0,4}){0,4}"
+# cheap masks for 12 choice points, then ~5 s of CPU per mask; and the same in a branch few
+# tokens enter (a request steers there with logit_bias): the probe must walk deep and rare
+SLOW_PAST_CHOICES = r"([ab]\n){12}(.?){0,1000}"
+SLOW_IN_RARE_BRANCH = r"(c[a-y ]{0,40}|zqxjv(.?){0,1000})"
 # Python's `re` needs ~2^24 steps to refuse `(a+)+$` on 24 a's and a '!'
 CATASTROPHIC = {"type": "string", "pattern": "^a{24}!$", "not": {"pattern": "^(a+)+$"}}
 UNRESOLVABLE = {
@@ -199,6 +203,22 @@ CASES = [
         "mask",
         structured={"regex": SLOW_MASK_REGEX},
         http={"structured_outputs": {"regex": SLOW_MASK_REGEX}},
+        by_backend={"llguidance": None},
+    ),
+    Case(
+        "slow_mask_past_choice_points",
+        "regex",
+        "a mask takes",
+        structured={"regex": SLOW_PAST_CHOICES},
+        http={"structured_outputs": {"regex": SLOW_PAST_CHOICES}},
+        by_backend={"llguidance": None},
+    ),
+    Case(
+        "slow_mask_in_a_rare_branch",
+        "regex",
+        "a mask takes",
+        structured={"regex": SLOW_IN_RARE_BRANCH},
+        http={"structured_outputs": {"regex": SLOW_IN_RARE_BRANCH}},
         by_backend={"llguidance": None},
     ),
     Case(

@@ -151,7 +151,8 @@ class LocalBuilds:
             compiled = backend.compile(replace(spec, fidelity="warn"))  # judged per request
             build_s = time.perf_counter() - start
             budget = self.mask_budget_ms
-            mask_ms = probe_masks(backend, compiled, self.probe_steps, 0, 4 * budget)
+            probe = probe_masks(backend, compiled, self.probe_steps, 0, 4 * budget)
+            mask_ms = probe.worst_ms if probe.slow_path is not None else probe.median_ms
         except GrammarError as exc:  # invalid, or past the parser's limits while probing
             error = str(exc).removeprefix(f"structured.{spec.kind}: ").removeprefix("structured: ")
             return Judged(_refused(exc.reason, error), None)

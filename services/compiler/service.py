@@ -21,6 +21,7 @@ import xgrammar as xgr
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from grammar_registry.cache import LRUBytes, RedisVerdicts, Verdict
+from grammar_registry.family import Family
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
 from grammar_registry.registrations import (
     Registration,
@@ -30,6 +31,7 @@ from grammar_registry.registrations import (
 )
 from grammar_registry.specs import GrammarSpec, grammar_key
 from services import telemetry
+from services.compiler.family_records import FamilyRecords
 from services.compiler.probe import PROBE_STEPS
 from services.grammar.backend import MASK_BUDGET_MS, GrammarError
 from services.grammar.xgrammar_backend import fidelity_error
@@ -112,6 +114,12 @@ class GrammarKeys:
             scope=scope,
         )
 
+    def family_key(self, kind: str, family: Family, scope: str, tenant: str) -> str:
+        """Where a tenant's record of a family's slow members is kept (its own, like every
+        refusal the load could cause)."""
+        parts = (self.backend_version, self.fingerprint[:16], scope, kind, family.key)
+        return "structserve:family:" + ":".join(parts) + f":tenant:{tenant}"
+
 
 class CompileService:
     def __init__(
@@ -136,6 +144,7 @@ class CompileService:
             secret=secret.get_secret_value().encode() if secret else None,
         )
         self.registrations = RegistrationStore(redis, config.caps)
+        self.families = FamilyRecords(self.keys.family_key, self._cached, self._store)
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[Verdict]] = {}
         self._per_tenant: dict[str, int] = {}
@@ -176,10 +185,16 @@ class CompileService:
                 found = self._cached(k)
                 if found is not None:
                     return found
+        refused, hints = self.families.judge(spec, scope, tenant)
+        if refused is not None:  # a near-duplicate of a grammar its decoding showed slow
+            return _answered(refused, "rejected")
         for _ in range(2):  # a joiner of a compile that crashed compiles on its own, once
-            verdict, joined = self._single_flight(spec, tenant, key, mine)
+            verdict, joined = self._single_flight(spec, tenant, key, mine, hints)
             if not (joined and verdict.reason in LOAD_DEPENDENT):
                 break
+        if verdict.reason == "slow_mask" and verdict.source == "compiled":
+            path = verdict.slow[0].get("path", "") if verdict.slow else ""
+            self.families.add(spec, scope, tenant, path)
         return verdict
 
     def _cached(self, key: str) -> Verdict | None:
@@ -192,7 +207,7 @@ class CompileService:
         return _answered(cached, level)
 
     def _single_flight(
-        self, spec: GrammarSpec, tenant: str, key: str, mine: str
+        self, spec: GrammarSpec, tenant: str, key: str, mine: str, hints: list[str]
     ) -> tuple[Verdict, bool]:
         """The verdict of one compile of `key`: ours, or (joined: True) that of the caller
         compiling it now."""
@@ -211,11 +226,11 @@ class CompileService:
             shared = running.result()
             return (shared if shared.reason in _NOT_CACHED else _answered(shared, "compiled")), True
         try:
-            verdict, judged = self._compile(spec, tenant), True
+            verdict, judged = self._compile(spec, tenant, hints), True
             if verdict.reason in ("crash", "timeout"):  # maybe the load, not the grammar: again
                 # (on the worker that replaces the one killed, once it is up: it was this
                 # tenant's restart, so it waits for it rather than taking the reserve)
-                again = self._compile(spec, tenant)
+                again = self._compile(spec, tenant, hints)
                 if again.reason in _NOT_CACHED:  # no second try: the answer, but not a verdict
                     judged = False
                 else:
@@ -237,14 +252,21 @@ class CompileService:
                 self._per_tenant[tenant] -= 1
 
     def downgrade(
-        self, spec: GrammarSpec, tenant: str, scope: str, reason: str, error: str
+        self, spec: GrammarSpec, tenant: str, scope: str, reason: str, error: str, path: str = ""
     ) -> None:
         """Replaces the tenant's verdict with a refusal that decoding showed (masks over the
-        budget): kept for the tenant that met it only, like every load-dependent refusal."""
+        budget): kept for the tenant that met it only, like every load-dependent refusal.
+        `path`: the output that reached the slow mask, which its family's probes replay."""
         mine = _downgraded(self.key(spec, scope), tenant)
         verdict = Verdict(ok=False, reason=reason, error=error)
         self.verdicts.put(mine, verdict)
         self._remember(mine, verdict)
+        if reason == "slow_mask":
+            self.families.add(spec, scope, tenant, path)
+
+    def _store(self, key: str, verdict: Verdict) -> None:
+        self.verdicts.put(key, verdict)
+        self._remember(key, verdict)
 
     def _remember(self, key: str, verdict: Verdict) -> None:
         self.recent.put(key, verdict, len(verdict.blob or b"") + 1024)
@@ -266,13 +288,14 @@ class CompileService:
             return f"the tenant has {cap} grammars compiling; try later"
         return ""
 
-    def _compile(self, spec: GrammarSpec, tenant: str) -> Verdict:
+    def _compile(self, spec: GrammarSpec, tenant: str, hints: list[str]) -> Verdict:
         cfg = self.config
         self.compiles += 1
         job = {
             "spec": spec.model_dump_json(),
             "mask_budget_ms": cfg.mask_budget_ms,
             "probe_steps": cfg.probe_steps,
+            "hints": hints,
             "blob_min_compile_s": cfg.blob_min_compile_s,
             "seed": 0,
         }
@@ -284,12 +307,14 @@ class CompileService:
             labels = {"kind": spec.kind, "outcome": outcome, "where": "worker"}
             telemetry.get().metrics.grammar_compile.record(seconds, labels)
         if not out["ok"]:
+            slow_path = out.get("slow_path")
             return Verdict(
                 ok=False,
                 reason=out["reason"],
                 error=out["error"],
                 compile_s=out.get("compile_s", 0.0),
                 mask_ms=out.get("mask_ms", 0.0),
+                slow=[{"path": slow_path}] if slow_path else [],
             )
         blob: bytes | None = out.get("blob")  # None: the compile was too quick to ship
         # Loading also pays for moving the blob out of Redis and a fixed round trip: a blob is

@@ -309,7 +309,12 @@ class ServiceGrammarProvider:
         return handle
 
     def downgrade(
-        self, spec: StructuredOutput, tenant: str, error: GrammarError, backend: str = "xgrammar"
+        self,
+        spec: StructuredOutput,
+        tenant: str,
+        error: GrammarError,
+        backend: str = "xgrammar",
+        path: str = "",
     ) -> None:
         """Forgets the compiled grammar here at once; the refusal reaches the verdict cache on a
         resolver thread (a registered grammar's spec may need a remote lookup first).
@@ -323,7 +328,7 @@ class ServiceGrammarProvider:
             except (GrammarError, ValueError):
                 return  # it never compiled, so nothing holds it
             self._refuse_here(self.service.key(gspec, scope), tenant, scope, error)
-        self.dispatcher.submit(_Call(tenant, lambda: self._downgrade(spec, tenant, error)))
+        self.dispatcher.submit(_Call(tenant, lambda: self._downgrade(spec, tenant, error, path)))
 
     def _refuse_here(self, key: str, tenant: str, scope: str, error: GrammarError) -> None:
         now = time.monotonic()
@@ -333,12 +338,14 @@ class ServiceGrammarProvider:
         if scope != "shared":  # a shared entry serves the other tenants still
             self.l1.pop(key)
 
-    def _downgrade(self, spec: StructuredOutput, tenant: str, error: GrammarError) -> None:
+    def _downgrade(
+        self, spec: StructuredOutput, tenant: str, error: GrammarError, path: str
+    ) -> None:
         try:
             gspec, scope = self._spec(spec, tenant)
             self._refuse_here(self.service.key(gspec, scope), tenant, scope, error)
             detail = str(error).removeprefix(f"structured.{spec.kind}: ")
-            self.service.downgrade(gspec, tenant, scope, error.reason, detail)
+            self.service.downgrade(gspec, tenant, scope, error.reason, detail, path)
         except Exception:  # the cache keeps the old verdict: the next request meets it again
             log.warning("grammar cache: downgrading a verdict failed", exc_info=True)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from services import settings
-from services.grammar.backend import MASK_BUDGET_MS
+from services.grammar.backend import MASK_BUDGET_MS, MASK_DEADLINE_MS
 from services.grammar.structured import check_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -173,6 +173,11 @@ class GrammarConfig:
     # `mask_budget_ms` add up to `mask_strikes` budgets fails (422) and its grammar is refused.
     mask_budget_ms: float = MASK_BUDGET_MS
     mask_strikes: float = 3.0
+    # No step waits for one request's mask (or forced text) longer than this after the fills
+    # started, nor before the forward ends: a late row leaves the step and samples once its mask
+    # is in (services/engine/structured/late.py). None: every step waits (the plain twin).
+    mask_deadline_ms: float | None = MASK_DEADLINE_MS
+    mask_workers: int = 2  # threads filling masks (a straggler's is replaced)
     validation_timeout_s: float = 1.0  # JSON output validation; later: validated=False
 
     def __post_init__(self) -> None:
@@ -181,6 +186,10 @@ class GrammarConfig:
     def _check_grammar(self) -> None:
         if self.grammar_workers < 0:
             raise ValueError("grammar_workers: must be >= 0")
+        if self.mask_workers < 1:
+            raise ValueError(f"mask_workers: must be >= 1, got {self.mask_workers}")
+        if self.mask_deadline_ms is not None and not self.mask_deadline_ms > 0:
+            raise ValueError(f"mask_deadline_ms: must be > 0 or None, got {self.mask_deadline_ms}")
         check_name("grammar_backend", self.grammar_backend)
         for name in ("mask_budget_ms", "mask_strikes", "validation_timeout_s"):
             if not getattr(self, name) > 0:

@@ -86,6 +86,8 @@ class LLMEngine:
             mask_strikes=config.mask_strikes,
             validation_timeout_s=config.validation_timeout_s,
             sandbox_workers=config.sandbox_workers,
+            mask_deadline_ms=config.mask_deadline_ms,
+            mask_workers=config.mask_workers,
         )
         self.tokens = TokenPath(
             self.grammars, config.jump_forward, self.max_model_len, self._finish
@@ -209,32 +211,70 @@ class LLMEngine:
 
     def _step(self) -> list[Request]:
         failed = self._resolve_grammars()
+        resumed = self._resume_parked()  # requests whose late grammar work came in: sampled now
         if self.speculator is not None:  # drafts for the requests about to decode
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.chunks:
             self.grammars.wait(0.01, self.validating)
-            return failed + self._validated()
+            return failed + resumed + self._validated()
         self._mark_scheduled(sched)
         rows = SampleRows.of(sched.chunks)
         sampling = rows.plain  # drafted requests are verified on their own, after
-        masks = self.grammars.start_masks(sampling)  # filled on a worker while the forward runs
+        masks = self.grammars.start_masks(sampling)  # filled on workers while the forward runs
         every = failures.forward(self.runner, self.boundary, sched.chunks, rows, self.check_fault)
         logits = rows.plain_logits(every)
         logits_processors.apply(logits, sampling)  # penalties, bias, min_tokens: before the mask
-        self.fail_each(self.grammars.apply_masks(masks, logits))
+        sampling, logits = self._apply_masks(masks, sampling, logits)
         tokens = failures.sample(self.sampler, logits, sampling)
         updated = self._update(sched, sampling, tokens)
         if self.speculator is not None and rows.drafted:
             updated += self.speculator.verify(rows, every, self.drafts)
         self._apply_kv_policies(sched)
-        return failed + updated + self._validated()
+        return failed + resumed + [r for r in updated if r.ready or r.finished] + self._validated()
+
+    def _apply_masks(
+        self, masks: PendingMasks | None, sampling: list[Request], logits: torch.Tensor
+    ) -> tuple[list[Request], torch.Tensor]:
+        """Masks the rows whose fill is in; a row whose fill missed the deadline leaves the step
+        (parked with its logits: it samples once the fill is in), and the others sample as a
+        batch without it."""
+        failed, late = self.grammars.apply_masks(masks, logits)
+        self.fail_each(failed)
+        if not late:
+            return sampling, logits
+        for i, fill in late.items():
+            self.grammars.park(sampling[i], fill, logits[i : i + 1])
+        keep = [i for i in range(len(sampling)) if i not in late]
+        return [sampling[i] for i in keep], logits[keep]
 
     def _mask_row(self, req: Request, row: torch.Tensor) -> bool:
-        """Masks one row of `req` (a draft's position); False when that failed the request."""
-        failures = self.grammars.apply_masks(PendingMasks([(0, req)], None), row)
-        self.fail_each(failures)
-        return not failures
+        """Masks one row of `req` (a draft's position); False when that failed the request, or
+        its fill missed the deadline (parked with `row`: the walk stops there)."""
+        kept, _ = self._apply_masks(self.grammars.start_masks([req]), [req], row)
+        return bool(kept) and not req.finished
+
+    def _resume_parked(self) -> list[Request]:
+        """Samples the parked requests whose late mask is in, exactly as their step would have
+        (their kept logits, masked), or runs the rest of a late jump-forward's token path."""
+        ready, failed = self.grammars.resumable()
+        self.fail_each(failed)
+        out = [f.request for f in failed]  # their last output goes out too
+        for req, parked in ready:
+            before = req.num_tokens
+            with self.boundary.request(req) as stage:
+                stage("mask")
+                if parked.resume is not None:
+                    assert parked.forced is not None
+                    parked.resume(parked.forced.result, stage)
+                elif parked.fill is not None and parked.logits_hold(req):
+                    logits = parked.logits
+                    assert logits is not None
+                    self.grammars.masks.apply_late(parked.fill, logits)
+                    self.tokens.take(req, failures.sample(self.sampler, logits, [req]), 0, stage)
+            if req.num_tokens != before or req.finished:  # else recomputed first (preempted)
+                out.append(req)
+        return out
 
     def _resolve_grammars(self) -> list[Request]:
         failures = self.grammars.resolve()
@@ -332,23 +372,7 @@ class LLMEngine:
 
     def make_output(self, req: Request) -> RequestOutput:
         """A delta since the last call for this request, with the text and tokens so far."""
-        delta_ids = req.take_new_token_ids()
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            text=req.detokenizer.text,
-            token_ids=req.output_token_ids,
-            finished=req.done,
-            finish_reason=req.finish_reason if req.done else None,
-            delta_text=req.detokenizer.take_delta(final=req.done),
-            delta_token_ids=delta_ids,
-            metrics=req.metrics,
-            warnings=list(req.warnings),
-            validated=req.validated,
-            error_status=req.error_status,
-            prompt_logprobs=req.prompt_logprobs if req.finished else None,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-        )
+        return req.output()
 
     def error_output(self, req: Request, reason: str) -> RequestOutput:
         """A last output for a request whose own output could not be made (nothing of its
@@ -357,17 +381,7 @@ class LLMEngine:
         if req.finish_reason != "error":
             req.warnings.append(reason)
         req.validation = None
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            text="",
-            token_ids=req.output_token_ids,
-            finished=True,
-            finish_reason="error",
-            metrics=req.metrics,
-            warnings=list(req.warnings),
-            error_status=req.error_status or 500,
-        )
+        return req.error_output()
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request once its last output was taken."""

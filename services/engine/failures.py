@@ -20,6 +20,7 @@ the boundary: the one that raises again fails by itself, the others get what the
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -82,17 +83,30 @@ def is_engine_fault(exc: BaseException) -> bool:
 
 
 class FaultInjector:
-    """Makes `stage` raise for the request `request_id` (every time it is reached)."""
+    """Makes `stage` raise for the request `request_id` (every time it is reached), or sleep
+    there (`delay`: the first `times` times)."""
 
     def __init__(self) -> None:
         self._armed: dict[str, set[str]] = {}
+        self._delays: dict[tuple[str, str], list[float]] = {}
 
     def arm(self, request_id: str, stage: str) -> None:
-        if stage not in STAGES:
-            raise ValueError(f"stage: {stage!r} is not one of {', '.join(STAGES)}")
+        self._known(stage)
         self._armed.setdefault(request_id, set()).add(stage)
 
+    def delay(self, request_id: str, stage: str, seconds: float, times: int = 1) -> None:
+        self._known(stage)
+        self._delays[(request_id, stage)] = [seconds] * times
+
+    @staticmethod
+    def _known(stage: str) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage: {stage!r} is not one of {', '.join(STAGES)}")
+
     def check(self, stage: str, req: Request) -> None:
+        delays = self._delays.get((req.request_id, stage))
+        if delays:
+            time.sleep(delays.pop())
         if stage in self._armed.get(req.request_id, ()):
             raise InjectedFault(f"injected fault in {stage}")
 

@@ -17,11 +17,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.params import FinishReason, RequestMetrics, SamplingParams, TokenLogprob
+from services.engine.params import (
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from services.grammar.canonical import structured_key
 
 if TYPE_CHECKING:
     from kvcache.policies import KVState
+    from services.engine.structured.late import Parked
     from services.engine.structured.validation import PendingValidation
     from services.grammar.backend import CompiledGrammar, GrammarState
     from services.grammar.structured import StructuredOutput
@@ -45,6 +52,7 @@ class StructuredRequest:
     state: GrammarState | None = None
     whitespace_run: int = 0  # whitespace-only tokens at the end of the output
     mask_over_budget_s: float = 0.0  # spent in masks slower than the budget
+    parked: Parked | None = None  # grammar work that missed its deadline (structured/late.py)
 
     @functools.cached_property
     def key(self) -> str:
@@ -129,8 +137,10 @@ class Request:
 
     @property
     def ready(self) -> bool:
-        """False while the request's grammar compiles: it waits without blocking others."""
-        return self.structured is None or self.structured.state is not None
+        """False while the request's grammar compiles, or while it is parked waiting for grammar
+        work that missed its deadline: it waits without blocking others."""
+        s = self.structured
+        return s is None or (s.state is not None and s.parked is None)
 
     @property
     def finished(self) -> bool:
@@ -156,3 +166,37 @@ class Request:
         new = self.token_ids[self.num_prompt_tokens + self._emitted_tokens :]
         self._emitted_tokens += len(new)
         return new
+
+    def output(self) -> RequestOutput:
+        """A delta since the last call, with the text and tokens so far."""
+        delta_ids = self.take_new_token_ids()
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            text=self.detokenizer.text,
+            token_ids=self.output_token_ids,
+            finished=self.done,
+            finish_reason=self.finish_reason if self.done else None,
+            delta_text=self.detokenizer.take_delta(final=self.done),
+            delta_token_ids=delta_ids,
+            metrics=self.metrics,
+            warnings=list(self.warnings),
+            validated=self.validated,
+            error_status=self.error_status,
+            prompt_logprobs=self.prompt_logprobs if self.finished else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        )
+
+    def error_output(self) -> RequestOutput:
+        """A last output made of plain data only (for a request whose own output failed)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            text="",
+            token_ids=self.output_token_ids,
+            finished=True,
+            finish_reason="error",
+            metrics=self.metrics,
+            warnings=list(self.warnings),
+            error_status=self.error_status or 500,
+        )

@@ -44,6 +44,7 @@ class EngineStats:
             ("structserve.kv.pages_in_use", self._pages_in_use),
             ("structserve.kv.pages_capacity", self._pages_capacity),
             ("structserve.jump_forward.tokens", self._jump_tokens),
+            ("structserve.grammar.late", self._late),
             ("structserve.forward_passes_saved", self._passes_saved),
             ("structserve.speculative.draft_tokens", self._draft_tokens),
             ("structserve.kv.pages_parked", self._tier("pages_parked")),
@@ -78,12 +79,15 @@ class EngineStats:
         return [(self.engine.runner.kv.allocator.num_pages, {})]
 
     def _jump_tokens(self) -> Obs:
-        return [(getattr(self.engine.grammars, "jump_forward_tokens", 0), {})]
+        return [(self.engine.grammars.forced.tokens, {})]
+
+    def _late(self) -> Obs:
+        return [(self.engine.grammars.late.parked, {})]
 
     def _passes_saved(self) -> Obs:
         spec = getattr(self.engine, "speculator", None)
         return [
-            (getattr(self.engine.grammars, "forward_passes_saved", 0), {"source": "jump_forward"}),
+            (self.engine.grammars.forced.passes_saved, {"source": "jump_forward"}),
             (spec.accepted if spec is not None else 0, {"source": "speculative"}),
         ]
 

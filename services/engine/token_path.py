@@ -40,17 +40,37 @@ class TokenPath:
     def advance(
         self, req: Request, token: int, stage: Stage, logprob: TokenLogprob | None = None
     ) -> None:
-        """Appends one sampled token (or the span jump-forward makes of it) and checks stops."""
+        """Appends one sampled token (or the span jump-forward makes of it) and checks stops.
+        When the grammar's forced text misses the mask deadline, the token is accepted and the
+        rest waits, parked, for a later step (structured/late.py)."""
         stage("accept")
         reason = self._grammars.accept(req, token)
-        new = [token]
         if reason is None and self._jump_forward:
             stage("jump_forward")
+
+            def then(forced: str, stage: Stage) -> None:
+                self._append(req, token, stage, logprob, None, forced)
+
+            self._grammars.forced.text(req, then, stage)
+            return
+        self._append(req, token, stage, logprob, reason, "")
+
+    def _append(
+        self,
+        req: Request,
+        token: int,
+        stage: Stage,
+        logprob: TokenLogprob | None,
+        reason: FinishReason | None,
+        forced: str,
+    ) -> None:
+        new = [token]
+        if forced:
             room = min(
                 req.params.max_tokens - req.num_output_tokens,
                 (req.context_limit or self._max_model_len) - req.num_tokens,
             )
-            new = self._grammars.jump_forward(req, token, room)
+            new = self._grammars.forced.span(req, token, room, forced)
         req.token_ids.extend(new)
         if logprob is not None:
             req.record_logprobs(logprob, new)

@@ -9,7 +9,9 @@ stand on this package, and it imports none of them (tests/unit/test_layers.py ho
   them (`auto`) and `for_model`, the one factory of a model's backends;
 - `fidelity`: the schema keywords a grammar cannot enforce; `finish`: number bounds and the
   repeat guard;
-- `provider`: where the engine gets compiled grammars (`GrammarProvider`), and the in-process one.
+- `provider`: where the engine gets compiled grammars (`GrammarProvider`), and the in-process one;
+- `workers`: threads that run mask fills under a deadline, leaving a straggler behind on idle
+  cores (the engine's masks, the compile probe).
 
 Names load on first use (PEP 562): `StructuredOutput` must not cost torch and xgrammar.
 """

@@ -35,6 +35,9 @@ class GrammarError(ValueError):
 # The mask budget: a grammar whose probe masks take longer is refused at admission, and one whose
 # masks run over it while decoding fails its request. One default for every config that holds it.
 MASK_BUDGET_MS = 20.0
+# How long past the start of a step's fills (and never before its forward ends) a step waits for
+# one request's mask before that request leaves the step; a fill within the budget is in by then.
+MASK_DEADLINE_MS = 20.0
 
 MAX_JSON_TEXT_DEPTH = 128  # past the grammar limits' 64: those name the limit, this only guards
 

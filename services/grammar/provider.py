@@ -31,11 +31,17 @@ class GrammarProvider(Protocol):
         ...
 
     def downgrade(
-        self, spec: StructuredOutput, tenant: str, error: GrammarError, backend: str = "xgrammar"
+        self,
+        spec: StructuredOutput,
+        tenant: str,
+        error: GrammarError,
+        backend: str = "xgrammar",
+        path: str = "",
     ) -> None:
         """The grammar `backend` compiled for `spec` proved too costly while decoding: refuse
         it from now on with `error` (for `tenant` at least; under `auto` another backend may
-        take the spec). Must not block: the engine thread calls it."""
+        take the spec). `path`: the output that reached the costly mask (its family's probes
+        replay it). Must not block: the engine thread calls it."""
         ...
 
 
@@ -72,7 +78,12 @@ class LocalGrammarProvider:
             return fut
 
     def downgrade(
-        self, spec: StructuredOutput, tenant: str, error: GrammarError, backend: str = "xgrammar"
+        self,
+        spec: StructuredOutput,
+        tenant: str,
+        error: GrammarError,
+        backend: str = "xgrammar",
+        path: str = "",
     ) -> None:
         refused: Future[CompiledGrammar] = Future()
         refused.set_exception(error)

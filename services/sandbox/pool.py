@@ -24,13 +24,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 from services import settings
+from services.sandbox.spawner import Spawner
 
 log = logging.getLogger(__name__)
 
@@ -39,46 +38,10 @@ RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # backoff between failed starts; the last
 ERROR_CHARS = 300  # of a failed start's stderr, in the refusal
 STALL_GRACE_S = 10.0  # a job this long past its deadline means the pool is stuck
 
-T = TypeVar("T")
 ACTIVITY = {"compile": "compiling"}  # what "nothing ..." says of a tenant with no job running
 
 
-class _Spawner:
-    """Forks every worker from one thread that lives as long as the process: a child's
-    PR_SET_PDEATHSIG fires when the *thread* that forked it exits, and start threads do not last."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
-        self._wake = threading.Condition(self._lock)
-
-    def call(self, fn: Callable[[], T]) -> T:
-        fut: Future[T] = Future()
-        with self._lock:
-            # not alive after a fork too: the child process starts its own thread
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="sandbox-worker-spawner", daemon=True
-                )
-                self._thread.start()
-            self._calls.append((fn, fut))
-            self._wake.notify()
-        return fut.result()
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._calls:
-                    self._wake.wait()
-                fn, fut = self._calls.pop(0)
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # handed to the caller's thread
-                fut.set_exception(exc)
-
-
-_SPAWNER = _Spawner()
+SPAWNER = Spawner()
 
 
 def _child_env() -> dict[str, str]:
@@ -109,7 +72,7 @@ class _Worker:
         argv = [sys.executable, *_PYTHON_FLAGS, "-m", "services.sandbox.worker"]
         argv += [str(theirs.fileno()), str(os.getpid())]
         try:
-            self.proc = _SPAWNER.call(
+            self.proc = SPAWNER.call(
                 lambda: subprocess.Popen(
                     argv,
                     pass_fds=(theirs.fileno(),),
@@ -316,18 +279,26 @@ class WorkerPool:
             worker.conn.send(job)
             if worker.conn.poll(deadline_s):
                 result: dict[str, Any] = worker.conn.recv()
-                self._give_back(worker, tenant, keep=True)
                 for line in result.pop("log", []):  # what the worker's libraries printed
                     log.debug("%s worker: %s", self.role, line)
+                if not result.pop("recycle", False):
+                    self._give_back(worker, tenant, keep=True)
+                    return result
+                # the worker asked to be replaced (work it left running): like a kill, the
+                # restart is charged to the tenant whose job it was
+                self._replace(worker, tenant)
                 return result
             reason, error = "timeout", f"{self.role} exceeded its {deadline_s:g} s deadline"
         except Exception:  # EOF, a broken pipe, an unreadable reply: the worker is not trusted
             reason, error = "crash", f"the {self.role} worker died (memory cap or a backend fault)"
+        self._replace(worker, tenant)
+        return {"ok": False, "reason": reason, "error": error}
+
+    def _replace(self, worker: _Worker, tenant: str) -> None:
         self.kills += 1
         self._give_back(worker, tenant, keep=False)
         worker.kill()
         self._start_one(charged=tenant)
-        return {"ok": False, "reason": reason, "error": error}
 
     def _give_back(self, worker: _Worker, tenant: str, keep: bool) -> None:
         with self._cond:

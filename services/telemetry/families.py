@@ -84,6 +84,13 @@ class Families:
         self._gauge(m, "structserve.kv.pages_capacity", "{page}", "KV cache pages in the pool.")
         self._counter(
             m,
+            "structserve.grammar.late",
+            "{request}",
+            "Times a constrained request left a step because its mask (or forced text) missed the "
+            "mask deadline; it sampled once the mask came in.",
+        )
+        self._counter(
+            m,
             "structserve.jump_forward.tokens",
             "{token}",
             "Tokens that jump-forward put in outputs without sampling them.",

@@ -302,6 +302,36 @@ def test_load_dependent_refusals_are_not_shared_between_tenants(service):
     assert service.pool.wait_ready(60)
 
 
+def test_a_slow_grammars_family_is_refused_where_sound_and_probed_where_it_was_slow(service):
+    """Near-duplicates of a grammar whose masks proved slow cannot buy a stall each: one with
+    larger upper bounds is refused without a compile; one with a smaller bound or another exact
+    count is probed first along the text that reached the slow mask (in Redis, the tenant's
+    own), and refused for the slow mask it shows there. Another tenant's verdicts are its own."""
+
+    def spec(count: int, upper: int) -> GrammarSpec:
+        return GrammarSpec(kind="regex", source=f"([ab]\\n){{{count}}}(.?){{0,{upper}}}")
+
+    first = service.verdict(spec(12, 900), "fam")
+    assert first.reason == "slow_mask" and "a mask takes" in first.error
+    before = service.compiles
+    wider = service.verdict(spec(12, 950), "fam")
+    assert wider.reason == "slow_mask" and "same structure" in wider.error
+    assert service.compiles == before  # dominated: no compile
+    narrower = service.verdict(spec(12, 850), "fam")
+    assert narrower.reason == "slow_mask" and service.compiles == before + 1
+    # decoding found what the probe's walk could not reach: the downgrade carries the path
+    deep = spec(40, 900)
+    assert service.verdict(deep, "fam").reason == "slow_mask"  # the family's path: 12 repeats
+    service.downgrade(spec(60, 900), "fam", "shared", "slow_mask", "too slow", "a\n" * 60)
+    assert service.verdict(spec(61, 900), "fam").reason == "slow_mask"
+    before = service.compiles
+    own = service.verdict(spec(12, 950), "other")  # not refused for "fam"'s record: probed
+    assert own.reason == "slow_mask" and "a mask takes" in own.error
+    assert service.compiles == before + 1
+    assert "same structure" in service.verdict(spec(12, 960), "other").error  # its own record
+    assert service.pool.wait_ready(60)
+
+
 def test_twenty_concurrent_identical_registrations_compile_once(service):
     spec = GrammarSpec(kind="json_schema", source=person("rank"))
     before = service.compiles

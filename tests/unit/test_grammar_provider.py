@@ -88,7 +88,9 @@ def test_a_downgrade_goes_where_the_backend_that_compiled_it_lives():
     service = SimpleNamespace(
         key=lambda spec, scope="shared": f"{scope}:{spec.canonical()}",
         resolve=lambda tenant, gid: GrammarSpec(kind="regex", source=gid),
-        downgrade=lambda spec, tenant, scope, reason, error: calls.append(("service", tenant)),
+        downgrade=lambda spec, tenant, scope, reason, error, path: calls.append(
+            ("service", tenant)
+        ),
         close=lambda: None,
     )
     provider = ServiceGrammarProvider(None, service, local=Local())  # type: ignore[arg-type]

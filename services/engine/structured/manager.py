@@ -3,11 +3,14 @@
 The engine calls this at fixed points of its step and never looks at a grammar itself. What goes
 wrong for one request comes back as a `Failure` for the engine to fail that request alone.
 
-The mask budget: each request's mask fills are timed while it decodes. Masks slower than
-`mask_budget_ms` add their time up; once a request's slow masks add up to `mask_strikes`
-budgets (three slow masks, or one three times too slow), it fails with a 422 and its grammar's
-verdict is downgraded in the cache (`GrammarProvider.downgrade`), so the next request with that
-grammar is refused at admission instead of slowing its batch down again.
+The mask deadline: no step waits for one request's grammar past `mask_deadline_ms`; a request
+whose mask or forced text is late leaves the step and is parked until it is in (late.py).
+
+The mask budget: each request's mask fills are timed while it decodes (CPU time, read live
+while a late fill still runs). Masks slower than `mask_budget_ms` add their time up; once a
+request's slow masks add up to `mask_strikes` budgets (three slow masks, or one three times too
+slow), it fails with a 422 and its grammar's verdict is downgraded in the cache
+(`GrammarProvider.downgrade`), so the next request with that grammar is refused at admission.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from grammar_registry.family import MAX_PATH_CHARS
 from services.engine.failures import RequestError
 from services.engine.params import FinishReason
 from services.engine.request import Request, StructuredRequest
-from services.engine.structured.masks import MaskFiller, PendingMasks
+from services.engine.structured.forced import JumpForward
+from services.engine.structured.late import LateRows, Parked
+from services.engine.structured.masks import LateFill, MaskFiller, PendingMasks
 from services.engine.structured.validation import OutputValidator
 from services.grammar.backend import MASK_BUDGET_MS, GrammarError
 from services.grammar.backends import Backends
@@ -55,11 +61,19 @@ class _Provider(Protocol):
     def submit(self, spec: Any, tenant: str = "default") -> Future[Any]: ...
 
 
+def _name(s: StructuredRequest) -> str:
+    """A grammar as logs and errors name it: its registered id, or a digest of its one key (no
+    tenant's schema in a log)."""
+    digest = hashlib.sha256(s.key.encode()).hexdigest()[:12]
+    kind = s.spec.kind
+    return f"{kind} {s.spec.grammar_id}" if s.spec.grammar_id else f"{kind} {digest}"
+
+
 def _no_check(stage: str, req: Request) -> None:
     pass
 
 
-def _internal(stage: str, exc: Exception) -> str:
+def _internal(stage: str, exc: BaseException) -> str:
     return f"{stage}: internal error ({type(exc).__name__}: {exc})"[:300]
 
 
@@ -78,6 +92,8 @@ class GrammarManager:
         mask_strikes: float = 3.0,
         validation_timeout_s: float = 1.0,
         sandbox_workers: int = 2,
+        mask_deadline_ms: float | None = None,
+        mask_workers: int = 2,
     ) -> None:
         self.backend = backend
         self._tokenizer = backend.tokenizer
@@ -94,13 +110,20 @@ class GrammarManager:
         self._whitespace: dict[int, bool] = {}
         self._mask_budget_s = mask_budget_ms / 1000
         self._mask_strikes = mask_strikes
+        self._mask_deadline_ms = mask_deadline_ms
+        self._mask_workers = mask_workers
+        self.late = LateRows(
+            lambda: self.masks,
+            self._mask_budget_s,
+            mask_strikes,
+            self._out_of_mask_budget,
+            self._raised,
+        )
         self.validator = OutputValidator(validation_timeout_s, sandbox_workers)
         # (stage, request) -> raises to fail it: the engine's fault injector, a no-op otherwise
         self.check: Callable[[str, Request], None] = _no_check
         self.slow_mask_failures = 0
-        # read by telemetry (services/engine/stats.py); plain ints, written on the engine thread
-        self.jump_forward_tokens = 0  # put in outputs by jump-forward, never sampled
-        self.forward_passes_saved = 0  # decode steps not run: one per forced token after the first
+        self.forced = JumpForward(self._tokenizer, lambda: self.masks, self.late, mask_deadline_ms)
         self.on_mask_fill: Callable[[float], None] | None = None
 
     @property
@@ -119,6 +142,8 @@ class GrammarManager:
                 self._overlap,
                 on_fill=self._mask_filled,
                 check=lambda req: self.check("mask", req),
+                deadline_ms=self._mask_deadline_ms,
+                workers=self._mask_workers,
             )
         return self._masks
 
@@ -181,7 +206,9 @@ class GrammarManager:
             if r.structured is not None and r.structured.future is not None
         ]
         futures += [r.validation.future for r in validating if r.validation is not None]
-        if futures:
+        if self.late.requests and self._masks is not None and self._masks.workers is not None:
+            self._masks.workers.wait_any(self.late.jobs(), timeout)
+        elif futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def start_masks(self, sampling: list[Request]) -> PendingMasks | None:
@@ -189,35 +216,49 @@ class GrammarManager:
             return None
         return self.masks.start(sampling)
 
-    def apply_masks(self, pending: PendingMasks | None, logits: torch.Tensor) -> list[Failure]:
-        """Masks the rows that need it; the requests whose grammar raised or that ran out of
-        mask budget."""
+    def apply_masks(
+        self, pending: PendingMasks | None, logits: torch.Tensor
+    ) -> tuple[list[Failure], dict[int, LateFill]]:
+        """Masks the rows whose fill is in; the requests whose grammar raised or that ran out of
+        mask budget, and the rows whose fill missed the deadline (park them: `park`)."""
         masks = self.masks.apply(pending, logits) if pending is not None else None
         if masks is None or pending is None:
-            return []
+            return [], {}
         failed = []
         for i, req in pending.rows:
             s = req.structured
             assert s is not None  # rows with a grammar state
             exc = masks.failed.get(i)
-            if isinstance(exc, GrammarError):  # past the backend's own limits (llguidance's)
-                failed.append(self._refuse(req, s, exc))
-                continue
             if exc is not None:
-                failed.append(Failure(req, _internal("mask", exc), 500))
+                failed.append(self._raised(req, s, exc))
                 continue
             seconds = masks.seconds.get(i, 0.0)
             if seconds > self._mask_budget_s:
                 s.mask_over_budget_s += seconds
             if s.mask_over_budget_s >= self._mask_strikes * self._mask_budget_s:
                 failed.append(self._out_of_mask_budget(req, s))
-        return failed
+        return failed, masks.late
+
+    def park(self, req: Request, fill: LateFill, logits: torch.Tensor) -> None:
+        """`req` leaves the step until its late fill is in; `logits` [1, V] is its row."""
+        self.late.park_mask(req, fill, logits)
+
+    def resumable(self) -> tuple[list[tuple[Request, Parked]], list[Failure]]:
+        """Parked requests whose grammar work is in, and those that failed while parked."""
+        return self.late.poll()
+
+    def _raised(self, req: Request, s: StructuredRequest, exc: BaseException) -> Failure:
+        if isinstance(exc, GrammarError):  # past the backend's own limits (llguidance's)
+            return self._refuse(req, s, exc)
+        return Failure(req, _internal("mask", exc), 500)
 
     def _out_of_mask_budget(self, req: Request, s: StructuredRequest) -> Failure:
+        """Fails the request whose slow masks added up to the strikes, naming its grammar."""
         budget_ms = self._mask_budget_s * 1000
         error = GrammarError(
             f"structured.{s.spec.kind}: masks slower than the budget ({budget_ms:g} ms a mask) "
-            f"took {s.mask_over_budget_s * 1000:.0f} ms while decoding; the grammar is refused",
+            f"took {s.mask_over_budget_s * 1000:.0f} ms while decoding; the grammar "
+            f"({_name(s)}) is refused",
             reason="slow_mask",
             status=422,
         )
@@ -229,10 +270,10 @@ class GrammarManager:
         that passed admission's probe but proved slow or past its limits while decoding is
         not admitted again on the next request."""
         backend = s.compiled.backend if s.compiled is not None else "xgrammar"
-        digest = hashlib.sha256(s.key.encode()).hexdigest()[:12]  # no tenant's schema in logs
-        log.info("grammar %s (%s, %s): refused (%s)", digest, s.spec.kind, backend, error.reason)
+        log.info("grammar %s (%s): refused (%s)", _name(s), backend, error.reason)
         try:
-            self.provider.downgrade(s.spec, req.tenant, error, backend)
+            path = req.detokenizer.text if len(req.detokenizer.text) <= MAX_PATH_CHARS else ""
+            self.provider.downgrade(s.spec, req.tenant, error, backend, path)
         except Exception:  # the request fails either way; the next one meets it again
             log.warning("grammar: downgrading a verdict failed", exc_info=True)
         return Failure(req, str(error)[:300], error.status)
@@ -269,45 +310,6 @@ class GrammarManager:
                     status=422,
                 )
         return None
-
-    def jump_forward(self, req: Request, token: int, room: int) -> list[int]:
-        """The tokens to append for a just-accepted `token`: itself, or a canonical span over it.
-
-        When the grammar forces text next, `token` + that text is re-tokenized the way the
-        tokenizer would write it; the matcher is rolled back where that changes `token` and fed
-        the new tokens. The last token of the span stays open (the model samples it next, masked)
-        because it could merge with what follows into a longer vocabulary token. `room` caps the
-        span (max_tokens). The sampled token is not in the KV cache yet, so no cache rolls back.
-        """
-        state = req.grammar
-        if state is None or state.is_terminated():
-            return [token]
-        forced = state.jump_forward()
-        if not forced:
-            return [token]
-        head = self._tokenizer.decode([token])
-        if "\ufffd" in head:  # part of a multi-byte character: re-encoding would not round-trip
-            return [token]
-        ids = list(self._tokenizer.encode(head + forced, add_special_tokens=False))[:-1][:room]
-        if len(ids) <= 1:
-            return [token]
-        keep = 1 if ids[0] == token else 0
-        if not keep:
-            state.rollback(1)
-        accepted = 0
-        for t in ids[keep:]:
-            if not state.accept_token(t):
-                break
-            accepted += 1
-        if accepted < len(ids) - keep:  # the grammar disagrees with the tokenizer: undo it all
-            state.rollback(accepted)
-            if not keep:
-                state.accept_token(token)
-            return [token]
-        req.metrics.num_forced_tokens += len(ids) - 1
-        self.jump_forward_tokens += len(ids) - keep
-        self.forward_passes_saved += len(ids) - 1
-        return ids
 
     @staticmethod
     def _may_repeat(req: Request, token: int, run: int) -> bool:
