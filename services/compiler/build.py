@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from services import settings
 from services.compiler.local_builds import LocalBuilds
 from services.compiler.service import CompilerConfig, CompileService
@@ -21,11 +23,15 @@ def provider_for(
     """What an engine of its own (offline, or one-process serving) compiles with: a compile
     service of its own with `workers` killable worker processes (`redis_url`: its verdict
     cache; the probe refuses grammars whose masks take over `mask_budget_ms`), or for 0
-    in-process with no guard (the plain twin). `config`: the service's other settings."""
+    in-process with no guard (the plain twin). `config`: the service's other settings.
+
+    Its compiles queue for as long as they need: the batch is the caller's own, so a compile
+    waiting for a worker (or behind the batch's other compiles) is never refused for capacity,
+    only for what the grammar itself is."""
     if workers == 0:
         return LocalGrammarProvider
     base = (config or CompilerConfig()).model_copy(update={"mask_budget_ms": mask_budget_ms})
-    return lambda backends: build_provider(backends, workers, redis_url, base)
+    return lambda backends: build_provider(backends, workers, redis_url, base, math.inf)
 
 
 def build_provider(
@@ -33,6 +39,7 @@ def build_provider(
     workers: int,
     redis_url: str | None = None,
     config: CompilerConfig | None = None,
+    busy_wait_s: float = 120.0,
 ) -> ServiceGrammarProvider:
     """An engine's provider with its own compile service; given every backend, llguidance
     grammars are built in this process (`LocalBuilds`)."""
@@ -50,4 +57,6 @@ def build_provider(
     if client is not None and cfg.verdict_secret is None:
         cfg = cfg.model_copy(update={"verdict_secret": settings.verdict_secret()})
     service = CompileService(backend.tokenizer_info, cfg, redis=client)
-    return ServiceGrammarProvider(backend, service, owns_service=True, local=local)
+    return ServiceGrammarProvider(
+        backend, service, owns_service=True, local=local, busy_wait_s=busy_wait_s
+    )

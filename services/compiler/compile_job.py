@@ -7,6 +7,7 @@ past its deadline, so nothing here needs to be interruptible.
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -18,6 +19,9 @@ from services.compiler.probe import PROBE_STEPS, probe_masks
 from services.grammar.workers import GrammarWorkers
 from services.grammar.xgrammar_backend import XGrammarBackend
 
+# A blob worth keeping loads in under `blob_gain` (0.8) of its compile; writing it is about twice
+# loading, so one not written and read back within this many compiles is not worth keeping.
+BLOB_WORK = 4.0
 # Probe fills left behind (still running, on idle cores) past which the worker asks to be
 # replaced: each holds its grammar's memory until it returns.
 MAX_LEFT_BEHIND = 4
@@ -84,9 +88,27 @@ def compile_job(
     }
     if compile_s < job.get("blob_min_compile_s", 0.0):
         return verdict
-    blob_json = compiled.handle.serialize_json()
-    blob = zlib.compress(blob_json.encode(), 1)
-    start = time.perf_counter()
-    backend.load(zlib.decompress(blob).decode())
-    load_s = time.perf_counter() - start
-    return {**verdict, "load_s": load_s, "blob": blob}
+    return _with_blob(verdict, backend, compiled.handle, max(BLOB_WORK * compile_s, 1.0))
+
+
+def _with_blob(verdict: dict[str, Any], backend: Any, handle: Any, budget_s: float) -> dict:
+    """The verdict with the compressed blob and its load time, when writing and reading it back
+    takes under `budget_s`. Writing costs more than compiling on big grammars (a 0.2 s compile:
+    7 s to write 200 MB of JSON, 3 s to load it back), so it runs on a thread (xgrammar releases
+    the GIL) that is left behind past the budget: such a blob would load slower than its grammar
+    compiles, and its seconds never count against the grammar's deadline. The worker then asks
+    to be replaced, which stops the thread."""
+    out: dict[str, Any] = {}
+
+    def write() -> None:
+        blob = zlib.compress(handle.serialize_json().encode(), 1)
+        start = time.perf_counter()
+        backend.load(zlib.decompress(blob).decode())
+        out.update(blob=blob, load_s=time.perf_counter() - start)
+
+    thread = threading.Thread(target=write, name="blob", daemon=True)
+    thread.start()
+    thread.join(budget_s)
+    if thread.is_alive():
+        return {**verdict, "recycle": True}
+    return {**verdict, **out}  # none when writing failed (memory): the grammar compiles anyway

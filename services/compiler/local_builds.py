@@ -34,6 +34,7 @@ from typing import Any
 
 from grammar_registry.cache import Verdict
 from grammar_registry.limits import GrammarLimits, LimitExceeded, check_limits
+from services import telemetry
 from services.compiler.dispatch import FairDispatcher
 from services.compiler.futures import settle
 from services.compiler.probe import PROBE_STEPS, probe_masks
@@ -156,9 +157,14 @@ class LocalBuilds:
         except GrammarError as exc:  # invalid, or past the parser's limits while probing
             error = str(exc).removeprefix(f"structured.{spec.kind}: ").removeprefix("structured: ")
             return Judged(_refused(exc.reason, error), None)
+        labels = {"kind": spec.kind, "where": "replica"}
         if mask_ms > budget:
             error = f"masks take {mask_ms:.1f} ms (budget {budget:g} ms)"
+            telemetry.get().metrics.grammar_compile.record(
+                build_s, {**labels, "outcome": "slow_mask"}
+            )
             return Judged(_refused("slow_mask", error, build_s, mask_ms), None)
+        telemetry.get().metrics.grammar_compile.record(build_s, {**labels, "outcome": "ok"})
         verdict = Verdict(
             ok=True,
             warnings=list(compiled.warnings),

@@ -165,8 +165,11 @@ class GrammarConfig:
     # (the compile service); 0 compiles in-process with no guard (the plain twin, for tests).
     grammar_workers: int = 1
     grammar_redis_url: str | None = None  # the shared verdict cache; None: in-process only
-    # xgrammar, llguidance, or auto: the backend per grammar (services/grammar/backends.py)
-    grammar_backend: str = "xgrammar"
+    # xgrammar, llguidance, or auto: the backend per grammar (services/grammar/backends.py).
+    # auto: a JSON schema's first mask in milliseconds (llguidance builds lazily) where xgrammar
+    # compiles for up to seconds, every schema either backend serves, the fewest keywords
+    # loosened; the README's "What auto picks" has the figures
+    grammar_backend: str = "auto"
     overlap_masks: bool = True  # fill grammar masks while the forward runs (False: after it)
     jump_forward: bool = False  # append grammar-forced spans without a forward pass each
     # The mask budget (services/engine/structured/manager.py): a request whose masks slower than

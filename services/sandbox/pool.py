@@ -3,9 +3,11 @@ deadline.
 
 Neither xgrammar's compiles, nor jsonschema-rs' validation, nor a Jinja render can be cancelled
 (the last two hold the GIL), so the only safe deadline is a process boundary: the caller waits on
-the worker's socket for at most the deadline, then SIGKILLs it and a replacement starts in the
-background. A restart is charged to the tenant whose job caused it: until the replacement is up,
-it counts as one of that tenant's jobs in flight. With two workers or more, the last idle one is
+the worker's socket until the job has used its deadline of the worker's CPU time (or, on a host
+too loaded to give it that, `LOAD_GRACE` times it of wall time: the load is not the job's
+verdict), then SIGKILLs it and a replacement starts in the background. A restart is charged to
+the tenant whose job caused it: until the replacement is up, it counts as one of that tenant's
+jobs in flight. With two workers or more, the last idle one is
 kept for a tenant with nothing in flight, so one tenant's slow jobs never make another tenant's
 wait for a worker.
 
@@ -17,130 +19,23 @@ worker at start), and fork would copy the parent's threads and torch state.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from services import settings
-from services.sandbox.spawner import Spawner
+from services.sandbox.process import WorkerProcess as _Worker
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # a cold compile worker imports xgrammar and torch
 RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # backoff between failed starts; the last one repeats
-ERROR_CHARS = 300  # of a failed start's stderr, in the refusal
 STALL_GRACE_S = 10.0  # a job this long past its deadline means the pool is stuck
+# A job's deadline is CPU time; on a host so loaded that it has had less, it may run this many
+# times its deadline of wall time.
+LOAD_GRACE = 3.0
 
 ACTIVITY = {"compile": "compiling"}  # what "nothing ..." says of a tenant with no job running
-
-
-SPAWNER = Spawner()
-
-
-def _child_env() -> dict[str, str]:
-    import grammar_registry
-    import services
-
-    # The child imports the same code as this process, whatever its working directory.
-    pkgs = (services, grammar_registry)
-    roots = sorted({str(Path(str(pkg.__file__)).resolve().parents[1]) for pkg in pkgs})
-    return settings.worker_env(roots)
-
-
-# -P (3.11+): the working directory is not put on the child's sys.path, so a stray `xgrammar.py`
-# next to the caller's script cannot shadow the real one.
-_PYTHON_FLAGS = ["-P"] if sys.version_info >= (3, 11) else []
-
-
-class _Worker:
-    """One worker process and its end of a socketpair, pickled messages both ways."""
-
-    def __init__(self, role: str, setup: dict[str, Any], memory_bytes: int) -> None:
-        self.role = role
-        self._setup = {**setup, "role": role, "memory_bytes": memory_bytes}
-        # Start-up errors (an import failing, the memory cap) land here; after its `ready` the
-        # worker points fd 2 at a capture file of its own.
-        self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed once started)
-        mine, theirs = socket.socketpair()
-        argv = [sys.executable, *_PYTHON_FLAGS, "-m", "services.sandbox.worker"]
-        argv += [str(theirs.fileno()), str(os.getpid())]
-        try:
-            self.proc = SPAWNER.call(
-                lambda: subprocess.Popen(
-                    argv,
-                    pass_fds=(theirs.fileno(),),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,  # a pipe the caller reads must not stay open
-                    stderr=self.stderr,
-                    env=_child_env(),
-                )
-            )
-        except BaseException:
-            mine.close()
-            self.stderr.close()
-            raise
-        finally:
-            theirs.close()
-        self.conn = Connection(mine.detach())
-
-    def start(self, timeout: float) -> str:
-        """'' once the worker is ready, else why it is not (its stderr tail, or how it ended)."""
-        # A big setup (a compile worker's tokenizer info: megabytes) blocks the send until the
-        # child reads it: one timer bounds the send and the handshake together.
-        timer = threading.Timer(timeout, self.proc.kill)
-        timer.start()
-        began = time.monotonic()
-        try:
-            self.conn.send(self._setup)
-            ready = bool(self.conn.recv().get("ready"))
-        except Exception:  # EOF, a broken pipe, a garbled reply: the start failed
-            ready = False
-        finally:
-            timer.cancel()
-        if ready:
-            self.stderr.close()
-            return ""
-        try:  # it is usually exiting already: let it, so its own exit status is the one reported
-            self.proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            log.debug("%s worker %d still running after a failed start", self.role, self.proc.pid)
-        self.kill()
-        code = self.proc.returncode
-        ended = f"exit status {code}" if code is None or code >= 0 else f"killed by signal {-code}"
-        if code == -9 and time.monotonic() - began >= timeout:
-            ended += f": no answer within {timeout:g} s"
-        return _tail(self.stderr, ended)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # unkillable (D state): leave it, never hang here
-            log.warning("%s worker %d did not exit after SIGKILL", self.role, self.proc.pid)
-        self.conn.close()
-
-
-def _tail(stderr: IO[bytes], ended: str) -> str:
-    try:
-        stderr.seek(0)
-        lines = [ln.strip() for ln in stderr.read().decode(errors="replace").splitlines()]
-    except (OSError, ValueError):
-        lines = []
-    finally:
-        stderr.close()
-    # A traceback's last lines name the failing call and the exception: keep the tail, less
-    # 3.11's `^^^^` markers.
-    tail = " | ".join([ln for ln in lines if ln.strip("^~ ")][-3:])
-    text = f"{tail} ({ended})" if tail else ended
-    return text if len(text) <= ERROR_CHARS else "..." + text[-ERROR_CHARS:]
 
 
 class WorkerPool:
@@ -274,10 +169,10 @@ class WorkerPool:
             return worker
         self.jobs += 1
         with self._cond:
-            self._due[worker] = time.monotonic() + deadline_s
+            self._due[worker] = time.monotonic() + LOAD_GRACE * deadline_s
         try:
             worker.conn.send(job)
-            if worker.conn.poll(deadline_s):
+            if self._answered(worker, deadline_s):
                 result: dict[str, Any] = worker.conn.recv()
                 for line in result.pop("log", []):  # what the worker's libraries printed
                     log.debug("%s worker: %s", self.role, line)
@@ -293,6 +188,23 @@ class WorkerPool:
             reason, error = "crash", f"the {self.role} worker died (memory cap or a backend fault)"
         self._replace(worker, tenant)
         return {"ok": False, "reason": reason, "error": error}
+
+    @staticmethod
+    def _answered(worker: _Worker, deadline_s: float) -> bool:
+        """Waits for the job's answer until it has used `deadline_s` of the worker's CPU time
+        (the job's own cost), or `LOAD_GRACE` times that of wall time: a job that waited for a
+        core on a loaded host is not judged for the load (where the CPU time cannot be read,
+        the wall clock decides)."""
+        start, cpu0 = time.monotonic(), worker.cpu_seconds()
+        wait = deadline_s
+        while not worker.conn.poll(wait):
+            used, waited = worker.cpu_seconds(), time.monotonic() - start
+            if used is None or cpu0 is None or used - cpu0 >= deadline_s:
+                return False
+            wait = min(deadline_s - (used - cpu0), LOAD_GRACE * deadline_s - waited)
+            if wait <= 0:
+                return False
+        return True
 
     def _replace(self, worker: _Worker, tenant: str) -> None:
         self.kills += 1

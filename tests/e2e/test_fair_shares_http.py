@@ -157,7 +157,9 @@ def test_slow_and_deadline_grammars_hold_up_only_their_tenant(server: str) -> No
 
     def greedy(i: int) -> requests.Response:
         schema = slow_compile_schema(60 - i, parts=3) if i < 2 else slow_compile_schema(30 - i)
-        body = {"structured_outputs": {"json": schema}, "prompt": f"{tag} {i}:"}
+        # xgrammar's compile, which is what takes seconds (`auto` would build llguidance's)
+        outputs = {"json": schema, "backend": "xgrammar"}
+        body = {"structured_outputs": outputs, "prompt": f"{tag} {i}:"}
         return completion(server, KEY_GREEDY, **body)
 
     with steady(server, grammars=True) as statuses:

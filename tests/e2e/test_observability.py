@@ -57,7 +57,14 @@ def total(families: dict[str, list], sample: str, **labels: str) -> float:
 
 def test_metrics_are_prometheus_text_summed_over_every_replica(server):
     name = f"f{uuid.uuid4().hex[:6]}"
-    assert post_chat(server, KEY_B, "Invent a thing.", response_format=json_schema(name)).ok
+    xgrammar = {"backend": "xgrammar"}  # compiled by the GrammarService: its metrics move
+    assert post_chat(
+        server,
+        KEY_B,
+        "Invent a thing.",
+        response_format=json_schema(name),
+        structured_outputs=xgrammar,
+    ).ok
     assert post_chat(server, KEY_B, "Say hi.").ok
     statuses = [post_chat(server, KEY_SLOW, "Hi.", max_tokens=2).status_code for _ in range(4)]
     assert 429 in statuses  # tenant-limited: 3 requests a minute
@@ -69,6 +76,8 @@ def test_metrics_are_prometheus_text_summed_over_every_replica(server):
         ready = total(fam, "structserve_time_to_first_token_seconds_count", constrained="true")
         # the 429 may have come from the other ingress replica: its push lands within a second
         ready = ready and total(fam, "structserve_throttled_requests_total", reason="rate")
+        ok = {"route": "chat", "tenant": "tenant-b", "status": "200"}  # so may the two 200s
+        ready = ready and total(fam, "structserve_requests_total", **ok) >= 2
         if (sources.get("GrammarService") == 2 and ready) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -104,7 +113,12 @@ def test_one_trace_spans_ingress_replica_and_grammar_service(server, otlp):
     headers = {"traceparent": f"00-{trace_id}-{parent}-01"}
     name = f"g{uuid.uuid4().hex[:6]}"  # a grammar no cache holds: the service compiles it
     r = post_chat(
-        server, KEY_A, "Invent a thing.", response_format=json_schema(name), headers=headers
+        server,
+        KEY_A,
+        "Invent a thing.",
+        response_format=json_schema(name),
+        structured_outputs={"backend": "xgrammar"},  # xgrammar's compile: in the GrammarService
+        headers=headers,
     )
     assert r.ok, r.text
     wanted = {f"chat {MODEL}", "structserve.generate", "structserve.grammar.resolve"}

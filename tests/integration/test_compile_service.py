@@ -52,7 +52,10 @@ def rclient():
 
 @pytest.fixture(scope="module")
 def llm(loaded_model):
-    return LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
+    """xgrammar's grammars: the ones the compile service compiles."""
+    return LLM(
+        loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0, grammar_backend="xgrammar"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +143,8 @@ def main():
     # a Redis verdict cache needs the secret every process sharing it holds
     config = CompilerConfig(verdict_secret=sys.argv[3])
     provider = provider_for(1, sys.argv[1], config=config)
-    llm = LLM(loaded=load_model(), kv_cache_memory=64 << 20, grammar_provider=provider)
+    llm = LLM(loaded=load_model(), kv_cache_memory=64 << 20, grammar_provider=provider,
+              grammar_backend="xgrammar")
     params = SamplingParams(max_tokens=40, temperature=0,
                             structured=StructuredOutput(json_schema=json.loads(sys.argv[2])))
     out = llm.generate("Give a person as JSON.", params)[0]
@@ -330,6 +334,30 @@ def test_a_slow_grammars_family_is_refused_where_sound_and_probed_where_it_was_s
     assert service.compiles == before + 1
     assert "same structure" in service.verdict(spec(12, 960), "other").error  # its own record
     assert service.pool.wait_ready(60)
+
+
+def test_an_offline_batch_queues_its_compiles_instead_of_refusing_them(llm):
+    """The offline `LLM`'s batch is its own: a compile that finds no worker free, or its
+    tenant's compiles at their cap, waits its turn; no request ends refused for capacity."""
+    from services.compiler import provider_for
+
+    tight = CompilerConfig(max_inflight_per_tenant=1, queue_wait_s=0.0)
+    factory = provider_for(1, config=tight)
+    offline = LLM(
+        loaded=llm.engine.runner.loaded,
+        kv_cache_memory=64 << 20,
+        grammar_provider=factory,
+        grammar_backend="xgrammar",
+    )
+    schemas = [person(f"field{i}") for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=4, temperature=0, structured=StructuredOutput(json_schema=s))
+        for s in schemas
+    ]
+    outs = offline.generate(["Give a person as JSON."] * len(schemas), params)
+    assert [o.finish_reason for o in outs] == ["length"] * len(schemas), [o.warnings for o in outs]
+    assert offline.engine.grammars.provider.busy_wait_s == float("inf")
+    offline.engine.grammars.shutdown()
 
 
 def test_twenty_concurrent_identical_registrations_compile_once(service):

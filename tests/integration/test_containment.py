@@ -127,10 +127,12 @@ def test_llguidance_parser_limits_refuse_at_admission_and_bound_each_mask(loaded
     tiny = GrammarLimits(max_lexer_states=50)
     spec = StructuredOutput(regex=SLOW_MASK_REGEX, backend="llguidance")
     hostile = SamplingParams(max_tokens=32, temperature=0, structured=spec)
-    plain = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
+    # the victims' JSON on xgrammar: the tiny limits are llguidance's
+    xgrammar = {"kv_cache_memory": 64 << 20, "grammar_backend": "xgrammar"}
+    plain = LLM(loaded=loaded_model, grammar_workers=0, **xgrammar)
     backends = plain.engine.grammars.backend
     provider = build_provider(backends, 1, config=CompilerConfig(limits=tiny))
-    guarded = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_provider=provider)
+    guarded = LLM(loaded=loaded_model, grammar_provider=provider, **xgrammar)
     alone = victims_alone(guarded.engine)
     out = check_victims(guarded.engine, alone, ("hostile", alone["chat"], hostile))
     assert out.finish_reason == "error" and out.error_status == 400, out.warnings

@@ -75,7 +75,10 @@ def stack(tel):
                 limits=TenantLimits(requests_per_minute=1),
             ),
         ],
-        llm=LLMConfig(engine={"kv_cache_memory": 64 << 20, "max_num_seqs": 8}),
+        # xgrammar's grammars: the spans and cache levels of the compile service's path
+        llm=LLMConfig(
+            engine={"kv_cache_memory": 64 << 20, "max_num_seqs": 8, "grammar_backend": "xgrammar"}
+        ),
         grammar=GrammarServiceConfig(workers=1, deadline_s=5.0),
     )
     plain = cfg.model_dump(mode="json")

@@ -296,6 +296,9 @@ class FakeWorker:
             assert FakeWorker.restart_gate.wait(30)
         return ""
 
+    def cpu_seconds(self) -> float | None:
+        return None  # unknown: the wall clock decides, as it does where /proc cannot tell
+
     def kill(self) -> None:
         pass
 

@@ -90,3 +90,70 @@ def test_only_larger_upper_bounds_with_the_rest_equal_are_dominated():
     assert not bigger.dominates(slow)  # a smaller upper bound: probed, not refused
     assert not regex(r"([ab]\n){13}(.?){0,1000}").dominates(slow)  # type: ignore[union-attr]
     assert not regex(r"([ab]\n){12}(.?){1,1000}").dominates(slow)  # type: ignore[union-attr]
+
+
+# -- the sandbox pool's deadline is the job's CPU time -------------------------------------------
+
+
+class _Conn:
+    def __init__(self, answer_at: float) -> None:
+        self.answer_at = answer_at
+
+    def poll(self, timeout: float) -> bool:
+        now = time.monotonic()
+        if now + timeout >= self.answer_at:
+            time.sleep(max(0.0, self.answer_at - now))
+            return True
+        time.sleep(timeout)
+        return False
+
+
+class _Process:
+    """A worker whose job answers at `answer_at`, burning `cpu_per_s` of CPU a second."""
+
+    def __init__(self, answer_in: float, cpu_per_s: float | None) -> None:
+        self.start = time.monotonic()
+        self.conn = _Conn(self.start + answer_in)
+        self.cpu_per_s = cpu_per_s
+
+    def cpu_seconds(self) -> float | None:
+        if self.cpu_per_s is None:
+            return None
+        return self.cpu_per_s * (time.monotonic() - self.start)
+
+
+def test_a_job_slowed_by_the_load_is_not_timed_out_and_a_costly_one_is():
+    from services.sandbox.pool import LOAD_GRACE, WorkerPool
+
+    deadline = 0.2
+    # a third of a core (the host is busy): past its deadline of wall time, within its CPU
+    assert WorkerPool._answered(_Process(1.5 * deadline, cpu_per_s=0.3), deadline)  # type: ignore[arg-type]
+    # the job's own CPU reaches the deadline first: timed out before it would answer
+    start = time.monotonic()
+    assert not WorkerPool._answered(_Process(3 * deadline, cpu_per_s=1.0), deadline)  # type: ignore[arg-type]
+    assert time.monotonic() - start < 2 * deadline
+    # starved so long that even the grace is spent: timed out at LOAD_GRACE deadlines
+    start = time.monotonic()
+    assert not WorkerPool._answered(_Process(10 * deadline, cpu_per_s=0.01), deadline)  # type: ignore[arg-type]
+    assert time.monotonic() - start < (LOAD_GRACE + 0.5) * deadline
+    # where the CPU time cannot be read, the wall clock decides
+    assert not WorkerPool._answered(_Process(1.5 * deadline, cpu_per_s=None), deadline)  # type: ignore[arg-type]
+
+
+def test_a_blob_that_takes_too_long_to_write_is_dropped_not_charged_to_the_grammar():
+    """Writing a compiled grammar's blob runs beside, within its budget: past it the verdict
+    comes without the blob (and the worker asks to be replaced, which stops the writer)."""
+    from types import SimpleNamespace
+
+    from services.compiler.compile_job import _with_blob
+
+    slow = SimpleNamespace(serialize_json=lambda: time.sleep(2.0) or "{}")
+    quick = SimpleNamespace(serialize_json=lambda: '{"grammar": 1}')
+    backend = SimpleNamespace(load=lambda text: None)
+    verdict = {"ok": True, "compile_s": 0.01}
+    start = time.monotonic()
+    late = _with_blob(verdict, backend, slow, budget_s=0.1)
+    assert time.monotonic() - start < 1.0
+    assert late["ok"] and late["recycle"] and "blob" not in late
+    done = _with_blob(verdict, backend, quick, budget_s=1.0)
+    assert done["blob"] and done["load_s"] >= 0 and "recycle" not in done
