@@ -10,7 +10,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 CORE := services kvcache grammar_registry deployments
 
-.PHONY: setup redis helm lint typecheck test test-fast serve bench peer clean device-wheels
+SUITE := .cache/json-schema-test-suite
+
+.PHONY: setup redis helm suite lint typecheck test test-fast serve bench peer clean device-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +31,17 @@ redis:
 helm: setup
 	scripts/install-helm.sh
 
+# The JSON-Schema-Test-Suite (benchmarks/soundness.py), from the source distribution of the
+# installed `jsonschema`, which carries it
+suite: setup
+	@test -d $(SUITE) || { \
+	  tmp=$$(mktemp -d) && \
+	  version=$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("jsonschema"))') && \
+	  $(BIN)/pip download --quiet --no-deps --no-binary :all: -d $$tmp "jsonschema==$$version" && \
+	  tar xzf $$tmp/jsonschema-$$version.tar.gz -C $$tmp && mkdir -p .cache && \
+	  mv $$tmp/jsonschema-$$version/json/tests $(SUITE) && rm -rf $$tmp && \
+	  echo "suite: unpacked the JSON-Schema-Test-Suite of jsonschema $$version into $(SUITE)"; }
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -36,7 +49,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy $(CORE)
 
-test: setup redis helm lint typecheck
+test: setup redis helm suite lint typecheck
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: setup

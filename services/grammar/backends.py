@@ -135,7 +135,7 @@ def for_model(
     return Backends(tokenizer, int(config.vocab_size), stop, default)
 
 
-def from_folder(folder: str) -> Backends:
+def from_folder(folder: str, default: str = "xgrammar") -> Backends:
     """`for_model` for a model folder, reading its tokenizer and configs only."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -144,4 +144,4 @@ def from_folder(folder: str) -> Backends:
     except OSError:
         generation = None
     config = AutoConfig.from_pretrained(folder)
-    return for_model(AutoTokenizer.from_pretrained(folder), config, generation)
+    return for_model(AutoTokenizer.from_pretrained(folder), config, generation, default)

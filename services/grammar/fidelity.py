@@ -55,9 +55,6 @@ def _local_findings(node: dict[str, Any], path: str) -> list[str]:
         found.append(f"{path}/multipleOf: {multiple_of}")
     if any(k in node for k in _LENGTH) and any(k in node for k in _PATTERNED):
         found.append(f"{path}/minLength,maxLength: not enforced together with pattern/format")
-    ref = node.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        found.append(f"{path}/$ref: remote references are not resolved")
     if "oneOf" in node:
         found.append(f"{path}/oneOf: enforced as anyOf (exclusivity not checked)")
     all_of = node.get("allOf")
@@ -139,6 +136,26 @@ def _inner_anchor(pattern: str) -> bool:
     unescaped = inner.replace("\\\\", "").replace("\\^", "").replace("\\$", "")
     unescaped = re.sub(r"\[[^\]]*\]", "", unescaped)  # anchors inside [...] are literals
     return "^" in unescaped or "$" in unescaped
+
+
+_VALUES = frozenset({"enum", "const", "default", "examples"})  # data, not schemas
+
+
+def remote_refs(node: Any, path: str = "#") -> list[str]:
+    """Each `$ref` that is not within the document (`#...`), as `PATH/$ref: URI`. No backend
+    resolves one, and nothing of ours fetches one: a tenant's URI is no address for us to call."""
+    if isinstance(node, list):
+        return [f for i, child in enumerate(node) for f in remote_refs(child, f"{path}/{i}")]
+    if not isinstance(node, dict):
+        return []
+    ref = node.get("$ref")
+    found = []
+    if isinstance(ref, str) and not ref.startswith("#"):
+        found.append(f"{path}/$ref: {ref[:200]}")
+    for key, child in node.items():
+        if key not in _VALUES:
+            found += remote_refs(child, f"{path}/{key}")
+    return found
 
 
 def loosened_keywords(schema: Any, path: str = "#") -> list[str]:

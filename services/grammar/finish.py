@@ -22,6 +22,9 @@ INT64 = (-(2**63), 2**63 - 1)
 NUMBER_LIMIT = 1e15
 MAX_UNIT = 16  # tokens in the repeated unit (digits are one token each: "1234567890" is 10)
 _DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+# a bound inside these would widen what the schema allows: `not: {type: integer}` bounded
+# refuses only in-range integers, and `if` bounded sends out-of-range ones to `else`
+_CONDITIONS = frozenset({"not", "if"})
 _VALUES = frozenset("0123456789.-+eE \n\r\t,[]{}truefalsn")  # a list of numbers, literals
 
 
@@ -48,7 +51,7 @@ def bounded(schema: Any) -> Any:
         return [bounded(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _DATA else bounded(v)) for k, v in schema.items()}
+    out = {k: (v if k in _DATA or k in _CONDITIONS else bounded(v)) for k, v in schema.items()}
     types = _types(schema)
     if types == {"integer"}:
         return _bound(out, *INT64)

@@ -16,7 +16,7 @@ from services.grammar.backend import (
     apply_bitmask,
     load_json_text,
 )
-from services.grammar.fidelity import loosened_in_tag, loosened_keywords
+from services.grammar.fidelity import loosened_in_tag, loosened_keywords, remote_refs
 from services.grammar.finish import bounded
 from services.grammar.structured import StructuredOutput
 
@@ -28,6 +28,12 @@ def json_schema_of(spec: StructuredOutput) -> dict[str, Any]:
     """The schema the grammar is compiled from (unbounded numbers bounded unless asked not to)."""
     assert spec.json_schema is not None
     schema = schema_dict(spec.json_schema)
+    remote = remote_refs(schema)
+    if remote:
+        raise GrammarError(
+            f"structured.json_schema: a remote $ref is not fetched ({remote[0]}); put the schema "
+            "it names under $defs and refer to it as #/$defs/NAME"
+        )
     return bounded(schema) if spec.bound_numbers else schema
 
 

@@ -32,6 +32,12 @@ def first_line(exc: Any) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
+def never_fetch(uri: str) -> Any:
+    """jsonschema-rs's retriever: its default fetches a remote `$ref` over HTTP, which would let a
+    tenant's schema make requests from inside the cluster to any address it names."""
+    raise ValueError(f"a remote $ref is not fetched ({uri[:200]})")
+
+
 class Validators:
     """Validators built from schema texts, the most recently used kept; a schema that cannot be
     used is remembered as its exception (the next output is refused as quickly)."""
@@ -63,7 +69,9 @@ class Validators:
                 self._built.move_to_end(key)
         if built is None:
             try:
-                built = jsonschema_rs.validator_for(json.loads(schema), validate_formats=True)
+                built = jsonschema_rs.validator_for(
+                    json.loads(schema), validate_formats=True, retriever=never_fetch
+                )
             except Exception as exc:  # unresolvable $ref, an invalid keyword value, ...
                 built = exc
             with self._lock:

@@ -47,6 +47,11 @@ def test_given_bounds_data_and_mixed_types_are_kept():
     assert "maximum" not in bounded({"type": "integer", "exclusiveMaximum": 5})
     assert bounded({"const": {"type": "integer"}}) == {"const": {"type": "integer"}}
     assert bounded({"type": ["integer", "string"]}) == {"type": ["integer", "string"]}
+    # a condition keeps its meaning: bounds inside `not` or `if` would widen the schema
+    negated = {"not": {"type": "integer"}, "if": {"type": "integer"}, "then": {"type": "integer"}}
+    out = bounded(negated)
+    assert out["not"] == {"type": "integer"} and out["if"] == {"type": "integer"}
+    assert out["then"]["maximum"] == INT64[1]
     nested = bounded({"items": {"anyOf": [{"type": "number"}, {"type": "null"}]}})
     assert nested["items"]["anyOf"][0]["maximum"] == 1e15
 

@@ -7,6 +7,7 @@ import pytest
 
 from services import StructuredOutput
 from services.grammar import GrammarError
+from services.grammar.backends import Backends
 from services.grammar.xgrammar_backend import XGrammarBackend
 
 
@@ -97,3 +98,15 @@ def test_bad_grammars_raise_a_clear_error(backend, spec, field):
 def test_warn_fidelity_compiles_and_reports(backend):
     compiled = backend.compile(StructuredOutput(json_schema={"type": "array", "uniqueItems": True}))
     assert compiled.warnings == ["#/uniqueItems: not enforced"]
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance", "auto"])
+def test_a_remote_ref_is_refused_by_name_and_never_fetched(tokenizer, name):
+    """No backend resolves one (xgrammar compiled it as any value, so every output then failed
+    validation): refused with its path, a local `$ref` beside it still compiles."""
+    backends = Backends(tokenizer, 49152, [2], name)
+    remote = {"properties": {"a": {"$ref": "http://169.254.169.254/latest/meta-data"}}}
+    with pytest.raises(GrammarError, match=r"remote \$ref is not fetched \(#/properties/a/\$ref"):
+        backends.compile(StructuredOutput(json_schema=remote))
+    local = {"$defs": {"s": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/s"}}}
+    assert backends.compile(StructuredOutput(json_schema=local)).warnings == []

@@ -3,6 +3,7 @@ time bound in a killable worker, one validator per schema."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import threading
 import time
@@ -44,6 +45,35 @@ def test_an_unresolvable_reference_is_a_reason_not_an_exception():
     ok, why = verdict(schema, "{}", validators)
     assert ok is False and "schema could not be used to validate" in why and "missing" in why
     assert verdict(schema, "[]", validators) == (ok, why)  # remembered, refused as quickly
+
+
+def test_a_remote_reference_is_never_fetched_and_a_local_one_still_resolves():
+    """jsonschema-rs fetches a remote `$ref` over HTTP unless told not to: a tenant's schema
+    would make the validator call any address it names. A server on loopback sees no request."""
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"type": "string"}')
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/s.json"
+        ok, why = verdict({"type": "object", "properties": {"a": {"$ref": url}}}, '{"a": "x"}')
+        assert ok is False and "a remote $ref is not fetched" in why and url in why
+        assert hits == []
+    finally:
+        server.shutdown()
+    local = {"$defs": {"s": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/s"}}}
+    assert verdict(local, '{"a": "x"}') == (True, None)
+    assert verdict(local, '{"a": 1}')[0] is False
 
 
 def test_catastrophic_patterns_are_matched_in_linear_time():
