@@ -1,17 +1,23 @@
 """Correctness over `../shared/data/maskbench/`: does every constrained output parse and validate?
 
 For each schema: compile it (with fidelity `warn`), skip it from the count when it does not compile
-or has keywords the grammar cannot enforce (both listed), decode greedily with the schema as the
-constraint, and validate the text with `jsonschema`. Outputs that reach max_tokens are checked for
-a loop (the text ends in a unit repeated at least 3 times, as a small model does inside an unbounded
-string); those that do not loop are decoded again with `--retry-max-tokens`. Prints the counts and
-every exception, writes `benchmarks/results/maskbench_eval[_BACKEND].json`.
+(listed), decode greedily with the schema as the constraint, and validate the text with
+`jsonschema-rs` (the engine's check). A schema with keywords the grammar cannot enforce is decoded
+too when checked decoding is on (`--check-retries`, the engine's default 4: the check enforces
+them, services/engine/structured/checked.py), and skipped (listed) with `--check-retries 0`.
+Outputs that reach max_tokens are checked for a loop (the text ends in a unit repeated at least 3
+times, as a small model does inside an unbounded string); those that do not loop are decoded again
+with `--retry-max-tokens`. Prints the counts and every exception, writes
+`benchmarks/results/maskbench_eval[_BACKEND].json`.
 
 Invalid and unflagged: an output the grammar ended (it terminated: `stop`, turned into `error`
 when its validation failed) that does not validate, for a schema with no keyword reported as not
-enforced. It must stay 0: the grammar claimed the whole schema.
+enforced. It must stay 0: the grammar claimed the whole schema. A checked schema's output that
+still fails after its returns ends `error` with the keyword and path: counted apart ("check
+spent"), flagged by construction.
 
-`--backend xgrammar|llguidance|auto` picks the grammar backend (`grammar_backend`); with
+`--backend xgrammar|llguidance|auto` picks the grammar backend (`grammar_backend`, default
+`auto` as the engine's); with
 `--compile-only` only the compile phase runs: per backend, which schemas compile, which have
 keywords it cannot enforce, and under `auto` which backend each schema got.
 
@@ -20,7 +26,7 @@ batch that passes M minutes, every decoded row kept in `maskbench_eval[...].rows
 `--resume` goes on from there (the summary is written once every schema is decoded).
 
     .venv/bin/python benchmarks/maskbench_eval.py [--backend auto] [--compile-only] [--limit N]
-        [--max-tokens 256] [--batch 32] [--max-minutes 20 [--resume]]
+        [--max-tokens 256] [--batch 32] [--check-retries 4] [--max-minutes 20 [--resume]]
 """
 
 from __future__ import annotations
@@ -81,9 +87,12 @@ def decode(
         ]
         rows = []
         for (name, _), out in zip(chunk, llm.generate(prompts, sps), strict=True):
+            returns = [w for w in out.warnings if w.startswith("checked decoding:")]
             rows.append(
                 {
                     "file": name,
+                    "checked": any("enforced by the check" in w for w in out.warnings),
+                    "returns": returns,
                     "finish_reason": out.finish_reason,
                     "validated": out.validated,
                     "looping": out.finish_reason == "length" and ends_in_loop(out.text),
@@ -145,15 +154,19 @@ def parse_args() -> argparse.Namespace:
         help="no bounds on numbers, no repeat guard (services/grammar/finish.py)",
     )
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--backend", default="xgrammar", choices=("xgrammar", "llguidance", "auto"))
+    p.add_argument("--backend", default="auto", choices=("xgrammar", "llguidance", "auto"))
+    p.add_argument("--check-retries", type=int, default=4, help="0: checked decoding off")
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--max-minutes", type=float, default=0, help="stop after this (0: never)")
     p.add_argument("--resume", action="store_true", help="go on from the rows kept so far")
     return p.parse_args()
 
 
-def compile_all(llm: LLM, files: list[Path]) -> tuple[list, list, list, Counter[str]]:
-    """Per schema: does not compile, compiles with keywords not enforced, or to decode."""
+def compile_all(
+    llm: LLM, files: list[Path], checked: bool
+) -> tuple[list, list, list, Counter[str]]:
+    """Per schema: does not compile, compiles with keywords the grammar leaves (decoded too when
+    `checked`: the check enforces them), or to decode."""
     backend = llm.engine.grammars.backend
     not_compiled, loosened, runnable = [], [], []
     chosen: Counter[str] = Counter()
@@ -167,7 +180,7 @@ def compile_all(llm: LLM, files: list[Path]) -> tuple[list, list, list, Counter[
         chosen[compiled.backend] += 1
         if compiled.warnings:
             loosened.append({"file": f.name, "keywords": compiled.warnings})
-        else:
+        if checked or not compiled.warnings:
             runnable.append((f.name, schema))
         if (i + 1) % 100 == 0:
             print(f"  {i + 1}/{len(files)} compiled", flush=True)
@@ -184,25 +197,39 @@ def main() -> None:
         kv_cache_memory=1 << 30,
         jump_forward=args.jump_forward,
         grammar_backend=args.backend,
+        check_retries=args.check_retries,
     )
-    not_compiled, loosened, runnable, chosen = compile_all(llm, files)
+    checked = args.check_retries > 0
+    not_compiled, loosened, runnable, chosen = compile_all(llm, files, checked)
     print(
         f"{args.backend}: {len(files)} schemas: {len(not_compiled)} do not compile, "
-        f"{len(loosened)} with keywords not enforced, {len(runnable)} to decode; "
+        f"{len(loosened)} with keywords the {'check' if checked else 'grammar does not'} "
+        f"enforce{'s' if checked else ''}, {len(runnable)} to decode; "
         f"backends chosen {dict(chosen)}",
         flush=True,
     )
     RESULTS.mkdir(exist_ok=True)
     if args.compile_only:
         out = {"backend": args.backend, "schemas": len(files), "chosen": dict(chosen)}
-        out |= {"not_compiled": not_compiled, "loosened": loosened, "runnable": len(runnable)}
+        out |= {
+            "not_compiled": not_compiled,
+            "loosened": loosened,
+            "runnable": len(runnable),
+        }
         (RESULTS / f"maskbench_compile_{args.backend}.json").write_text(json.dumps(out, indent=2))
         return
     name = "maskbench_eval_plain" if args.plain else "maskbench_eval"
     name += "" if args.backend == "xgrammar" else f"_{args.backend}"
     settings = {
         k: getattr(args, k)
-        for k in ("max_tokens", "plain", "jump_forward", "repetition_penalty", "backend")
+        for k in (
+            "max_tokens",
+            "plain",
+            "jump_forward",
+            "repetition_penalty",
+            "backend",
+            "check_retries",
+        )
     }
     rows = Rows(RESULTS / f"{name}.rows.jsonl", args.resume, args.max_minutes, settings)
     todo = [x for x in runnable if x[0] not in rows.first]
@@ -225,7 +252,7 @@ def main() -> None:
         "chosen": dict(chosen),
     }
     (RESULTS / f"{name}.json").write_text(json.dumps(summary, indent=2))
-    report(summary, len(loosened))
+    report(summary, len(loosened), checked)
 
 
 def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
@@ -234,7 +261,10 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     looping = [r for r in bad if r["looping"]]
     early = [r for r in bad if r["ended_early"]]
     # ended by the grammar (a failed validation turns its `stop` into `error`), yet invalid
-    unflagged = [r for r in bad if r["finish_reason"] == "error" and r["validated"] is False]
+    failed = [r for r in bad if r["finish_reason"] == "error" and r["validated"] is False]
+    unflagged = [r for r in failed if not r.get("checked")]
+    spent = [r for r in failed if r.get("checked")]  # flagged: the keyword and path named
+    finished = [r for r in results if r["finish_reason"] in ("stop", "error")]
     # ended by a guard (whitespace run, parser limits, mask budget): nothing to validate
     guarded = [r for r in bad if r["validated"] is None and not r["ended_early"]]
     no_loop = [r for r in bad if r["finish_reason"] == "length" and not r["looping"]]
@@ -244,6 +274,12 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
         "looping": len(looping),
         "length_without_loop": len(no_loop),
         "invalid_unflagged": len(unflagged),
+        "check_spent": len(spent),
+        "checked": sum(bool(r.get("checked")) for r in results),
+        "returned": sum(bool(r.get("returns")) for r in results),
+        "finished": len(finished),
+        "finished_validated": sum(bool(r["validated"]) for r in finished),
+        "check_retries": args.check_retries,
         "ended_early_repeat": len(early),
         "ended_by_other_guards": len(guarded),
         "tokens": sum(r["tokens"] for r in results),
@@ -256,12 +292,16 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def report(summary: dict[str, Any], loosened: int) -> None:
+def report(summary: dict[str, Any], loosened: int, checked: bool) -> None:
     s = summary
+    share = 100 * s["finished_validated"] / max(1, s["finished"])
     print(
         f"\n{s['backend']}: {s['schemas']} schemas, {s['schemas'] - len(s['not_compiled'])} "
-        f"compile, {loosened} with keywords not enforced, {s['decoded']} decoded: "
-        f"{s['validated']} finish and validate, {s['invalid_unflagged']} invalid and unflagged; "
+        f"compile, {loosened} with keywords {'the check' if checked else 'not'} enforce"
+        f"{'s' if checked else 'd'}, {s['decoded']} decoded: "
+        f"{s['validated']} finish and validate ({share:.1f}% of the {s['finished']} that "
+        f"finish), {s['invalid_unflagged']} invalid and unflagged, {s['check_spent']} checked "
+        f"outputs that spent their returns ({s['returned']} went back at least once); "
         f"{s['looping']} loop until max_tokens, {s['length_without_loop']} reach it without a "
         f"loop, {s['ended_early_repeat']} ended early by the repeat guard, "
         f"{s['ended_by_other_guards']} by other guards; {s['tokens']} tokens decoded"

@@ -262,7 +262,7 @@ class AsyncLLM:
     def _deliver(self, request_id: str) -> None:
         req = self.engine.requests.get(request_id)
         stream = self._streams.get(request_id)
-        if req is None or stream is None:
+        if req is None or stream is None or req.held:  # held: nothing of it may go out yet
             return
         try:
             self.engine.check_fault("output", req)

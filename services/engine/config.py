@@ -182,6 +182,10 @@ class GrammarConfig:
     mask_deadline_ms: float | None = MASK_DEADLINE_MS
     mask_workers: int = 2  # threads filling masks (a straggler's is replaced)
     validation_timeout_s: float = 1.0  # JSON output validation; later: validated=False
+    # A JSON output that fails its check goes back to the value that failed and samples it
+    # again, this many times at most (services/engine/structured/checked.py); 0: it ends
+    # `error` at once (the plain twin).
+    check_retries: int = 4
 
     def __post_init__(self) -> None:
         self._check_grammar()
@@ -189,6 +193,8 @@ class GrammarConfig:
     def _check_grammar(self) -> None:
         if self.grammar_workers < 0:
             raise ValueError("grammar_workers: must be >= 0")
+        if self.check_retries < 0:
+            raise ValueError(f"check_retries: must be >= 0, got {self.check_retries}")
         if self.mask_workers < 1:
             raise ValueError(f"mask_workers: must be >= 1, got {self.mask_workers}")
         if self.mask_deadline_ms is not None and not self.mask_deadline_ms > 0:

@@ -27,13 +27,23 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._min_tokens = min_tokens
         self._added = 0
-        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._stops = stop
+        self._ids: list[int] = list(self._context)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = StopMatcher(stop) if stop else None
         self.text = ""
         self._emitted = 0  # characters of `text` already handed to the caller
         self.stopped = False
+
+    def rewound(self, output_ids: list[int]) -> IncrementalDetokenizer:
+        """A fresh detokenizer on the same prompt and stop strings, fed `output_ids`."""
+        fresh = IncrementalDetokenizer(
+            self._tokenizer, self._context, self._stops, min_tokens=self._min_tokens
+        )
+        fresh.add_tokens(output_ids)
+        return fresh
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

@@ -38,6 +38,7 @@ from services.engine.request import Request, RequestStatus
 from services.engine.sampler import Sampled, Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.speculative import DraftStep, SampleRows, Speculator
+from services.engine.structured.checked import Rollback
 from services.engine.structured.manager import Failure, GrammarManager
 from services.engine.structured.masks import PendingMasks
 from services.engine.token_path import TokenPath
@@ -88,6 +89,7 @@ class LLMEngine:
             sandbox_workers=config.sandbox_workers,
             mask_deadline_ms=config.mask_deadline_ms,
             mask_workers=config.mask_workers,
+            check_retries=config.check_retries,
         )
         self.tokens = TokenPath(
             self.grammars, config.jump_forward, self.max_model_len, self._finish
@@ -271,7 +273,11 @@ class LLMEngine:
                     logits = parked.logits
                     assert logits is not None
                     self.grammars.masks.apply_late(parked.fill, logits)
-                    self.tokens.take(req, failures.sample(self.sampler, logits, [req]), 0, stage)
+                    if not self.grammars.exclude(req, logits[0]):
+                        self._fail(req, "checked decoding: no other value is left to sample", 422)
+                    else:
+                        sampled = failures.sample(self.sampler, logits, [req])
+                        self.tokens.take(req, sampled, 0, stage)
             if req.num_tokens != before or req.finished:  # else recomputed first (preempted)
                 out.append(req)
         return out
@@ -350,9 +356,15 @@ class LLMEngine:
         """Requests whose output validation has its verdict (their last output can go)."""
         if not self.validating:
             return []
-        done = [r for r in self.validating if self.grammars.finish_validation(r)]
-        if done:
-            self.validating = [r for r in self.validating if r.validation is not None]
+        done = []
+        for req in self.validating:
+            verdict = self.grammars.finish_validation(req)
+            if isinstance(verdict, Rollback):  # back to the value that failed its check
+                self.grammars.rewind(req, verdict)
+                self.scheduler.add(req)
+            elif verdict:
+                done.append(req)
+        self.validating = [r for r in self.validating if r.validation is not None]
         return done
 
     def fail_all(self, reason: str) -> None:

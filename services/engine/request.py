@@ -53,6 +53,12 @@ class StructuredRequest:
     whitespace_run: int = 0  # whitespace-only tokens at the end of the output
     mask_over_budget_s: float = 0.0  # spent in masks slower than the budget
     parked: Parked | None = None  # grammar work that missed its deadline (structured/late.py)
+    # checked decoding (structured/checked.py): whether a failed check sends it back (its
+    # output held until it passed), the returns so far, the tokens excluded per output position
+    checked: bool = False
+    retries: int = 0
+    excluded: dict[int, set[int]] = field(default_factory=dict)
+    last_check: str = ""  # why its last output failed the check
 
     @functools.cached_property
     def key(self) -> str:
@@ -167,24 +173,29 @@ class Request:
         self._emitted_tokens += len(new)
         return new
 
+    @property
+    def held(self) -> bool:
+        """Its output may still go back (checked decoding): none of it is out until done."""
+        return self.structured is not None and self.structured.checked and not self.done
+
     def output(self) -> RequestOutput:
-        """A delta since the last call, with the text and tokens so far."""
-        delta_ids = self.take_new_token_ids()
+        """A delta since the last call, with the text and tokens so far (none while held)."""
+        held = self.held
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            text=self.detokenizer.text,
-            token_ids=self.output_token_ids,
+            text="" if held else self.detokenizer.text,
+            token_ids=[] if held else self.output_token_ids,
             finished=self.done,
             finish_reason=self.finish_reason if self.done else None,
-            delta_text=self.detokenizer.take_delta(final=self.done),
-            delta_token_ids=delta_ids,
+            delta_text="" if held else self.detokenizer.take_delta(final=self.done),
+            delta_token_ids=[] if held else self.take_new_token_ids(),
             metrics=self.metrics,
             warnings=list(self.warnings),
             validated=self.validated,
             error_status=self.error_status,
             prompt_logprobs=self.prompt_logprobs if self.finished else None,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None and not held else None,
         )
 
     def error_output(self) -> RequestOutput:

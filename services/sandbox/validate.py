@@ -23,6 +23,9 @@ import jsonschema_rs
 from services.sandbox.pool import LazyPool
 
 Verdict = tuple[bool, str | None]  # (validated, why not)
+# a verdict and, when the output is JSON that fails, the failing value's path in it (its keys
+# and indices: checked decoding rolls back to where that value starts)
+Located = tuple[bool, str | None, list[str | int] | None]
 Check = tuple[str, str]  # (the schema as JSON text, the output text)
 VALIDATORS_KEPT = 64  # per worker: built once per schema, most recently used kept
 
@@ -48,18 +51,26 @@ class Validators:
         self._lock = threading.Lock()
 
     def verdict(self, schema: str, text: str) -> Verdict:
+        ok, why, _ = self.located(schema, text)
+        return ok, why
+
+    def located(self, schema: str, text: str) -> Located:
+        """The verdict, with the path of the value that failed (None when none can be named)."""
         try:
             validator = self._validator(schema)
         except ValueError as exc:
-            return False, f"schema could not be used to validate: {exc}"
+            return False, f"schema could not be used to validate: {exc}", None
         try:
             value = json.loads(text)
         except (ValueError, RecursionError) as exc:
-            return False, f"output failed validation: not JSON ({first_line(exc)})"
+            return False, f"output failed validation: not JSON ({first_line(exc)})", None
         error = next(iter(validator.iter_errors(value)), None)
-        if error is not None:
-            return False, f"output failed validation: {first_line(error)}"
-        return True, None
+        if error is None:
+            return True, None, None
+        at = [p if isinstance(p, int) else str(p) for p in error.instance_path]
+        keyword = str(error.schema_path[-1]) if error.schema_path else "schema"
+        where = "".join(f"/{p}" for p in at) or "/"
+        return False, f"output failed validation: {first_line(error)} ({keyword} at {where})", at
 
     def _validator(self, schema: str) -> Any:
         key = hashlib.sha256(schema.encode()).hexdigest()
@@ -88,7 +99,7 @@ def handler(setup: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]
     validators = Validators()
 
     def handle(job: dict[str, Any]) -> dict[str, Any]:
-        return {"ok": True, "verdicts": [validators.verdict(s, t) for s, t in job["checks"]]}
+        return {"ok": True, "verdicts": [validators.located(s, t) for s, t in job["checks"]]}
 
     return handle
 
@@ -117,16 +128,20 @@ class SchemaValidator:
 
     def check(self, checks: Sequence[Check], tenant: str = "default") -> list[Verdict]:
         """One verdict per (schema, text); blocks for at most `wait_s` + `timeout_s`."""
+        return [(ok, why) for ok, why, _ in self.locate(checks, tenant)]
+
+    def locate(self, checks: Sequence[Check], tenant: str = "default") -> list[Located]:
+        """`check`, each failure with the path of the value that failed where there is one."""
         if self._local is not None:
-            return [self._local.verdict(s, t) for s, t in checks]
+            return [self._local.located(s, t) for s, t in checks]
         out = self._pool.run({"checks": list(checks)}, self.timeout_s, self.wait_s, tenant)
         if out.get("ok"):
-            return [(bool(ok), why) for ok, why in out["verdicts"]]
+            return [(bool(ok), why, at) for ok, why, at in out["verdicts"]]
         if out.get("reason") == "timeout":
             why = f"output validation did not finish within {self.timeout_s:g} s"
         else:
             why = f"output validation failed: {out.get('error', 'no worker')}"[:300]
-        return [(False, why)] * len(checks)
+        return [(False, why, None)] * len(checks)
 
     def close(self) -> None:
         self._pool.close()

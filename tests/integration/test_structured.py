@@ -162,7 +162,8 @@ def test_fidelity_warn_reports_and_strict_refuses(llm):
             params(StructuredOutput(json_schema=schema, fidelity="strict")),
         ],
     )
-    assert "#/uniqueItems: not enforced" in warn.warnings and warn.finish_reason == "stop"
+    assert "#/uniqueItems: enforced by the check, not the grammar" in warn.warnings
+    assert warn.finish_reason == "stop" and warn.validated
     assert strict.finish_reason == "error" and "cannot enforce" in strict.warnings[0]
 
 

@@ -153,6 +153,6 @@ def test_the_engine_never_blocks_on_a_validation():
         deadline = time.monotonic() + 10
         while (got := validator.answer(stuck)) is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert got == (False, "output validation did not finish within 0.3 s")
+        assert got == (False, "output validation did not finish within 0.3 s", None)
     finally:
         validator.shutdown()

@@ -27,6 +27,7 @@ from grammar_registry.family import MAX_PATH_CHARS
 from services.engine.failures import RequestError
 from services.engine.params import FinishReason
 from services.engine.request import Request, StructuredRequest
+from services.engine.structured.checked import Rollback, by_check, exclude, going_back, rewind
 from services.engine.structured.forced import JumpForward
 from services.engine.structured.late import LateRows, Parked
 from services.engine.structured.masks import LateFill, MaskFiller, PendingMasks
@@ -35,6 +36,7 @@ from services.grammar.backend import MASK_BUDGET_MS, GrammarError
 from services.grammar.backends import Backends
 from services.grammar.finish import MAX_UNIT, repeated_unit
 from services.grammar.provider import GrammarProvider, ProviderFactory
+from services.sandbox.validate import Located
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,13 @@ class Failure(NamedTuple):
     request: Request
     reason: str
     status: int  # what an HTTP client gets
+
+
+def _nothing_left(req: Request) -> Failure:
+    """Checked decoding excluded every token the grammar allows where a failed value starts."""
+    s = req.structured
+    why = s.last_check if s is not None else ""
+    return Failure(req, f"{why}; checked decoding: no other value is left to sample there", 422)
 
 
 @runtime_checkable
@@ -94,6 +103,7 @@ class GrammarManager:
         sandbox_workers: int = 2,
         mask_deadline_ms: float | None = None,
         mask_workers: int = 2,
+        check_retries: int = 0,
     ) -> None:
         self.backend = backend
         self._tokenizer = backend.tokenizer
@@ -112,6 +122,7 @@ class GrammarManager:
         self._mask_strikes = mask_strikes
         self._mask_deadline_ms = mask_deadline_ms
         self._mask_workers = mask_workers
+        self._check_retries = check_retries
         self.late = LateRows(
             lambda: self.masks,
             self._mask_budget_s,
@@ -186,7 +197,9 @@ class GrammarManager:
                 reason = str(exc) if isinstance(exc, GrammarError) else _internal("grammar", exc)
                 failed.append(Failure(req, reason[:300], status))
                 continue
-            req.warnings.extend(s.compiled.warnings)
+            # the check stands in for the keywords the grammar leaves to it (checked.py)
+            s.checked = bool(self._check_retries and s.compiled.warnings and s.compiled.schema)
+            req.warnings.extend(by_check(s.compiled.warnings) if s.checked else s.compiled.warnings)
         self._pending = still
         return failed
 
@@ -237,7 +250,15 @@ class GrammarManager:
                 s.mask_over_budget_s += seconds
             if s.mask_over_budget_s >= self._mask_strikes * self._mask_budget_s:
                 failed.append(self._out_of_mask_budget(req, s))
+            elif i not in masks.late and not self.exclude(req, logits[i]):
+                failed.append(_nothing_left(req))
         return failed, masks.late
+
+    @staticmethod
+    def exclude(req: Request, row: torch.Tensor) -> bool:
+        """Masks what checked decoding excluded at the row's position; False: nothing left."""
+        s = req.structured
+        return s is None or exclude(s.excluded, req.num_output_tokens, row)
 
     def park(self, req: Request, fill: LateFill, logits: torch.Tensor) -> None:
         """`req` leaves the step until its late fill is in; `logits` [1, V] is its row."""
@@ -340,21 +361,43 @@ class GrammarManager:
         )
         return True
 
-    def finish_validation(self, req: Request) -> bool:
+    def finish_validation(self, req: Request) -> bool | Rollback:
         """Records the verdict once it is in (True), turning a stop into an error when the
-        output failed; False while it is still being validated."""
+        output failed; False while it is still being validated; a `Rollback` when the request
+        goes back to the value that failed instead (structured/checked.py: `rewind` it)."""
         assert req.validation is not None
         verdict = self.validator.answer(req.validation)
         if verdict is None:
             return False
         req.validation = None
-        req.validated, why = verdict
+        back = None if verdict[0] or req.finish_reason != "stop" else self._going_back(req, verdict)
+        if back is not None:
+            return back
+        req.validated, why, _ = verdict
+        s = req.structured
+        if req.validated and s is not None and s.retries:
+            req.warnings.append(f"checked decoding: passed its check after {s.retries} returns")
         if why is not None:
             req.warnings.append(why)
         if not req.validated and req.finish_reason == "stop":
             req.finish_reason = "error"  # an output that does not parse never ends in "stop"
             req.error_status = 422
         return True
+
+    def _going_back(self, req: Request, verdict: Located) -> Rollback | None:
+        back = going_back(req, verdict, self._check_retries, self._tokenizer)
+        s = req.structured
+        if s is not None and back is not None:
+            s.last_check = verdict[1] or ""
+        elif s is not None and s.retries:
+            req.warnings.append(f"checked decoding: {s.retries} returns did not pass the check")
+        return back
+
+    def rewind(self, req: Request, back: Rollback) -> None:
+        s = req.structured
+        assert s is not None and s.compiled is not None
+        compiled = s.compiled
+        rewind(req, back, lambda: self.backend.new_state(compiled))
 
     def shutdown(self) -> None:
         self.validator.shutdown()

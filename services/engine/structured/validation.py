@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from services.grammar.backend import CompiledGrammar
-from services.sandbox.validate import SchemaValidator, Verdict, schema_text
+from services.sandbox.validate import Located, SchemaValidator, schema_text
 
 # Past the worker's own deadline: the time to take a worker, send the job and hear back (a
 # worker that outlives this is answered for here, and killed by the pool).
@@ -31,7 +31,7 @@ def schema_of(compiled: CompiledGrammar) -> str:
 
 @dataclass
 class PendingValidation:
-    future: Future[Verdict]
+    future: Future[Located]
     deadline: float  # time.monotonic()
 
 
@@ -50,24 +50,24 @@ class OutputValidator:
         """`check` runs first on the validation thread (the fault injector's hook)."""
         schema = schema_of(compiled)
 
-        def run() -> Verdict:
+        def run() -> Located:
             try:
                 check()
-                return self.schemas.check([(schema, text)], tenant)[0]
+                return self.schemas.locate([(schema, text)], tenant)[0]
             except Exception as exc:  # never into the engine: the request gets the reason
-                return False, f"validate: internal error ({type(exc).__name__}: {exc})"[:300]
+                return False, f"validate: internal error ({type(exc).__name__}: {exc})"[:300], None
 
         deadline = time.monotonic() + 2 * self.timeout_s + 2 * SLACK_S
         return PendingValidation(self._threads.submit(run), deadline)
 
-    def answer(self, pending: PendingValidation) -> Verdict | None:
+    def answer(self, pending: PendingValidation) -> Located | None:
         """The verdict once ready; past the deadline, a refusal; else None (not yet)."""
         if pending.future.done():
             return pending.future.result()
         if time.monotonic() < pending.deadline:
             return None
         pending.future.cancel()
-        return False, f"output validation did not finish within {self.timeout_s:g} s"
+        return False, f"output validation did not finish within {self.timeout_s:g} s", None
 
     def shutdown(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
