@@ -39,7 +39,7 @@ from services.engine.sampler import Sampled, Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.speculative import DraftStep, SampleRows, Speculator
 from services.engine.structured.checked import Rollback
-from services.engine.structured.manager import Failure, GrammarManager
+from services.engine.structured.manager import Failure, GrammarManager, nothing_left
 from services.engine.structured.masks import PendingMasks
 from services.engine.token_path import TokenPath
 from services.grammar.backends import for_model
@@ -273,8 +273,8 @@ class LLMEngine:
                     logits = parked.logits
                     assert logits is not None
                     self.grammars.masks.apply_late(parked.fill, logits)
-                    if not self.grammars.exclude(req, logits[0]):
-                        self._fail(req, "checked decoding: no other value is left to sample", 422)
+                    if not self.grammars.exclude(req, logits, 0):
+                        self.fail_each([nothing_left(req)])
                     else:
                         sampled = failures.sample(self.sampler, logits, [req])
                         self.tokens.take(req, sampled, 0, stage)

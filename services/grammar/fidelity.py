@@ -138,7 +138,7 @@ def _inner_anchor(pattern: str) -> bool:
     return "^" in unescaped or "$" in unescaped
 
 
-_VALUES = frozenset({"enum", "const", "default", "examples"})  # data, not schemas
+VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # data, not schemas
 
 
 def remote_refs(node: Any, path: str = "#") -> list[str]:
@@ -153,7 +153,7 @@ def remote_refs(node: Any, path: str = "#") -> list[str]:
     if isinstance(ref, str) and not ref.startswith("#"):
         found.append(f"{path}/$ref: {ref[:200]}")
     for key, child in node.items():
-        if key not in _VALUES:
+        if key not in VALUE_KEYWORDS:
             found += remote_refs(child, f"{path}/{key}")
     return found
 

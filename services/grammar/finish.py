@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from services.grammar.fidelity import VALUE_KEYWORDS
+
 INT64 = (-(2**63), 2**63 - 1)
 NUMBER_LIMIT = 1e15
 MAX_UNIT = 16  # tokens in the repeated unit (digits are one token each: "1234567890" is 10)
-_DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 # a bound inside these would widen what the schema allows: `not: {type: integer}` bounded
 # refuses only in-range integers, and `if` bounded sends out-of-range ones to `else`
 _CONDITIONS = frozenset({"not", "if"})
@@ -51,7 +52,9 @@ def bounded(schema: Any) -> Any:
         return [bounded(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _DATA or k in _CONDITIONS else bounded(v)) for k, v in schema.items()}
+    out = {
+        k: (v if k in VALUE_KEYWORDS or k in _CONDITIONS else bounded(v)) for k, v in schema.items()
+    }
     types = _types(schema)
     if types == {"integer"}:
         return _bound(out, *INT64)

@@ -47,11 +47,15 @@ class Failure(NamedTuple):
     status: int  # what an HTTP client gets
 
 
-def _nothing_left(req: Request) -> Failure:
+def nothing_left(req: Request) -> Failure:
     """Checked decoding excluded every token the grammar allows where a failed value starts."""
     s = req.structured
     why = s.last_check if s is not None else ""
     return Failure(req, f"{why}; checked decoding: no other value is left to sample there", 422)
+
+
+def _returns(n: int) -> str:
+    return f"{n} return" + ("" if n == 1 else "s")
 
 
 @runtime_checkable
@@ -250,15 +254,18 @@ class GrammarManager:
                 s.mask_over_budget_s += seconds
             if s.mask_over_budget_s >= self._mask_strikes * self._mask_budget_s:
                 failed.append(self._out_of_mask_budget(req, s))
-            elif i not in masks.late and not self.exclude(req, logits[i]):
-                failed.append(_nothing_left(req))
+            elif i not in masks.late and not self.exclude(req, logits, i):
+                failed.append(nothing_left(req))
         return failed, masks.late
 
     @staticmethod
-    def exclude(req: Request, row: torch.Tensor) -> bool:
-        """Masks what checked decoding excluded at the row's position; False: nothing left."""
+    def exclude(req: Request, logits: torch.Tensor, row: int) -> bool:
+        """Masks what checked decoding excluded at `logits[row]`'s position (nothing to do,
+        and no tensor touched, for a request that never went back); False: nothing left."""
         s = req.structured
-        return s is None or exclude(s.excluded, req.num_output_tokens, row)
+        return (
+            s is None or not s.excluded or exclude(s.excluded, req.num_output_tokens, logits[row])
+        )
 
     def park(self, req: Request, fill: LateFill, logits: torch.Tensor) -> None:
         """`req` leaves the step until its late fill is in; `logits` [1, V] is its row."""
@@ -376,7 +383,7 @@ class GrammarManager:
         req.validated, why, _ = verdict
         s = req.structured
         if req.validated and s is not None and s.retries:
-            req.warnings.append(f"checked decoding: passed its check after {s.retries} returns")
+            req.warnings.append(f"checked decoding: passed its check after {_returns(s.retries)}")
         if why is not None:
             req.warnings.append(why)
         if not req.validated and req.finish_reason == "stop":
@@ -390,7 +397,7 @@ class GrammarManager:
         if s is not None and back is not None:
             s.last_check = verdict[1] or ""
         elif s is not None and s.retries:
-            req.warnings.append(f"checked decoding: {s.retries} returns did not pass the check")
+            req.warnings.append(f"checked decoding: {_returns(s.retries)} did not pass the check")
         return back
 
     def rewind(self, req: Request, back: Rollback) -> None:
