@@ -10,6 +10,10 @@ times, as a small model does inside an unbounded string); those that do not loop
 with `--retry-max-tokens`. Prints the counts and every exception, writes
 `benchmarks/results/maskbench_eval[_BACKEND].json`.
 
+An output finishes when the grammar ended it and the check gave a verdict (`stop`, or `error`
+when it failed); one a guard cut (the repeat guard inside a string, parser limits) or that
+reached `max_tokens` did not, and is counted apart.
+
 Invalid and unflagged: an output the grammar ended (it terminated: `stop`, turned into `error`
 when its validation failed) that does not validate, for a schema with no keyword reported as not
 enforced. It must stay 0: the grammar claimed the whole schema. A checked schema's output that
@@ -264,7 +268,11 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     failed = [r for r in bad if r["finish_reason"] == "error" and r["validated"] is False]
     unflagged = [r for r in failed if not r.get("checked")]
     spent = [r for r in failed if r.get("checked")]  # flagged: the keyword and path named
-    finished = [r for r in results if r["finish_reason"] in ("stop", "error")]
+    # the grammar ended the output and the check gave its verdict (`stop`, or `error` when it
+    # failed); one a guard cut (a loop inside a string, ...) has none, one at `length` no end
+    finished = [
+        r for r in results if r["finish_reason"] in ("stop", "error") and r["validated"] is not None
+    ]
     # ended by a guard (whitespace run, parser limits, mask budget): nothing to validate
     guarded = [r for r in bad if r["validated"] is None and not r["ended_early"]]
     no_loop = [r for r in bad if r["finish_reason"] == "length" and not r["looping"]]

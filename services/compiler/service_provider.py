@@ -39,6 +39,7 @@ from services.compiler.service import raise_for
 from services.grammar.backend import CompiledGrammar, GrammarError
 from services.grammar.canonical import schema_of, to_spec, to_structured
 from services.grammar.fidelity import loosened_keywords
+from services.grammar.fold import folded
 from services.grammar.structured import StructuredOutput
 from services.grammar.xgrammar_backend import XGrammarBackend, fidelity_error
 from services.telemetry import spans
@@ -259,7 +260,8 @@ class ServiceGrammarProvider:
             return self.service.resolve(tenant, so.grammar_id), tenant
         gspec = to_spec(so)
         if so.fidelity == "strict" and gspec.kind == "json_schema":
-            warnings = loosened_keywords(gspec.source)
+            folding = folded(gspec.source, so.strict)
+            warnings = loosened_keywords(folding.schema) + folding.left
             if warnings:  # refused before any compile
                 raise fidelity_error(warnings)
         return gspec, "shared" if self.share_inline else tenant

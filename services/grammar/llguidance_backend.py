@@ -32,6 +32,7 @@ from services.grammar.backend import (
     apply_bitmask,
 )
 from services.grammar.fidelity import loosened_keywords
+from services.grammar.fold import folded
 from services.grammar.structured import StructuredOutput
 from services.grammar.xgrammar_backend import fidelity_error, grammar_syntax, json_schema_of
 
@@ -229,8 +230,9 @@ class LLGuidanceBackend:
             # 64-bit lower bound, so integers stay unbounded here (a digit loop is still cut
             # by `max_repeat_run`)
             schema = json_schema_of(replace(spec, bound_numbers=False))
+            grammar = folded(schema, spec.strict).schema
             text = llguidance.LLMatcher.grammar_from_json_schema(
-                closed(schema) if spec.strict else schema, defaults=_json_options(spec)
+                closed(grammar) if spec.strict else grammar, defaults=_json_options(spec)
             )
             return text, schema
         if spec.json_object:
@@ -263,7 +265,8 @@ class LLGuidanceBackend:
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise GrammarError(f"structured.{spec.kind}: {_first_line(matcher.get_error())}")
-        warnings = unenforced(matcher.get_grammar_warnings(), schema)
+        folding = folded(schema, spec.strict)  # the grammar's schema, and what it left out
+        warnings = unenforced(matcher.get_grammar_warnings(), folding.schema) + folding.left
         if warnings and spec.fidelity == "strict":
             raise fidelity_error(warnings)
         return CompiledGrammar(matcher, warnings, schema, backend="llguidance")

@@ -18,6 +18,7 @@ from services.grammar.backend import (
 )
 from services.grammar.fidelity import loosened_in_tag, loosened_keywords, remote_refs
 from services.grammar.finish import bounded
+from services.grammar.fold import folded
 from services.grammar.structured import StructuredOutput
 
 # The compiler's own cache is unbounded by default (a memory DoS); ours sits in front of it.
@@ -143,11 +144,12 @@ class XGrammarBackend:
         c = self._compiler
         if spec.json_schema is not None:
             schema = json_schema_of(spec)
-            warnings = loosened_keywords(schema)
+            folding = folded(schema, spec.strict)  # outputs are validated against `schema`
+            warnings = loosened_keywords(folding.schema) + folding.left
             if warnings and spec.fidelity == "strict":
                 raise fidelity_error(warnings)
             handle = c.compile_json_schema(
-                json.dumps(schema), strict_mode=spec.strict, **_json_layout(spec)
+                json.dumps(folding.schema), strict_mode=spec.strict, **_json_layout(spec)
             )
             return CompiledGrammar(handle, warnings, schema)
         if spec.json_object:  # any JSON object (the OpenAI meaning), not any JSON value

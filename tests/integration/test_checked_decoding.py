@@ -35,6 +35,12 @@ def with_property(schema: dict, name: str, **extra: object) -> dict:
     return out
 
 
+def not_named(name: str) -> dict:
+    """PERSON with every name but `name`, in a shape no fold says in other keywords (a `not`
+    of two keywords; `not: {const: name}` alone the grammar enforces: grammar/fold.py)."""
+    return with_property(PERSON, "name", **{"not": {"const": name, "type": "string"}})
+
+
 @pytest.fixture(scope="module")
 def llm(loaded_model):
     llm = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
@@ -53,7 +59,7 @@ def test_a_value_that_fails_its_check_is_sampled_again_until_it_passes(llm, gree
     """`not` is enforced by no grammar: the greedy name is excluded by the schema, so the first
     output fails its check; the request goes back to the name and the output that comes out
     validates."""
-    schema = with_property(PERSON, "name", **{"not": {"const": greedy_name}})
+    schema = not_named(greedy_name)
     out = llm.generate([PROMPT], params(schema))[0]
     assert "#/properties/name/not: enforced by the check, not the grammar" in out.warnings
     assert out.finish_reason == "stop" and out.validated is True, out.warnings
@@ -66,13 +72,24 @@ def test_a_value_that_fails_its_check_is_sampled_again_until_it_passes(llm, gree
 def test_the_plain_twin_ends_in_an_error_at_once(loaded_model, greedy_name):
     twin = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0, check_retries=0)
     try:
-        schema = with_property(PERSON, "name", **{"not": {"const": greedy_name}})
+        schema = not_named(greedy_name)
         out = twin.generate([PROMPT], params(schema))[0]
         assert out.finish_reason == "error" and out.validated is False
         assert "#/properties/name/not: not enforced" in out.warnings
         assert json.loads(out.text)["name"] == greedy_name  # the unchecked output, as it was
     finally:
         twin.engine.grammars.shutdown()
+
+
+def test_a_folded_not_is_the_grammars_to_enforce(llm, greedy_name):
+    """`not: {const: x}` over a string is said as a pattern (grammar/fold.py): the greedy name
+    is never written, no check is left to go back for, and nothing is reported loosened."""
+    schema = with_property(PERSON, "name", **{"not": {"const": greedy_name}})
+    out = llm.generate([PROMPT], params(schema))[0]
+    assert out.finish_reason == "stop" and out.validated is True, out.warnings
+    assert not [w for w in out.warnings if "not" in w.split(": ", 1)[0]], out.warnings
+    assert not any("passed its check after" in w for w in out.warnings), out.warnings
+    assert json.loads(out.text)["name"] != greedy_name
 
 
 NEVER = {
@@ -126,7 +143,7 @@ def test_a_checked_output_is_held_until_it_passed(llm, greedy_name):
     """A sent token cannot be taken back: nothing of a checked request's output goes out before
     it is done, then all of it at once; an unchecked one streams as before."""
     engine = llm.engine
-    checked = with_property(PERSON, "name", **{"not": {"const": greedy_name}})
+    checked = not_named(greedy_name)
     reqs = {
         "checked": engine.add_request(PROMPT, params(checked), request_id="held"),
         "plain": engine.add_request(PROMPT, params(PERSON), request_id="streams"),

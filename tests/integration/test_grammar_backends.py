@@ -13,8 +13,6 @@ from services.grammar.structured import StructuredOutput, check_name
 
 PLAIN = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
-# xgrammar loosens `not`; llguidance enforces this schema's `minItems` and `pattern` alike
-NOT_STRING = {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def by_check(warnings: list[str]) -> list[str]:
         if w.endswith(": not enforced"):
             out.append(w.removesuffix("not enforced") + "enforced by the check, not the grammar")
         else:
-            out.append(f"{w} (the check enforces it)")
+            out.append(f"{w} (enforced by the check, not the grammar)")
     return out
 
 
