@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from services.engine import chat
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, Prompt
 from services.engine.params import RequestOutput, SamplingParams
@@ -19,10 +20,16 @@ class LLM:
         *,
         loaded: LoadedModel | None = None,
         grammar_provider: GrammarProvider | ProviderFactory | None = None,
+        tool_call_format: str = "auto",
+        reasoning_format: str = "auto",
         **engine_kwargs: Any,
     ):
+        """`tool_call_format`/`reasoning_format`: the model's dialect for `chat` (auto: its
+        chat template's; services/dialects lists them)."""
         config = EngineConfig(model=model, **engine_kwargs)
+        chat.check_names(tool_call_format, reasoning_format)  # before any worker starts
         self.engine = LLMEngine(config, loaded, grammar_provider)
+        self.dialect = chat.resolve(self.engine.tokenizer, tool_call_format, reasoning_format)
 
     @property
     def tokenizer(self) -> Any:
@@ -58,12 +65,35 @@ class LLM:
         self,
         conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = "auto",
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Applies the model's chat template to each conversation, then generates. Each output
+        carries its answer split in the model's dialect: `reasoning_text`, `content` and
+        `tool_calls` (OpenAI's `tools` and `tool_choice`: auto, required, none, or
+        {"type": "function", "function": {"name": ...}})."""
         convs = (
             [conversations]
             if conversations and isinstance(conversations[0], dict)
             else conversations
         )
-        prompts = [self.engine.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
-        return self.generate(prompts, params)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(convs)
+        turns = [
+            chat.plan(
+                self.engine,
+                self.dialect,
+                conv,  # type: ignore[arg-type]
+                sp,
+                tools,
+                tool_choice,
+                parallel_tool_calls,
+                chat_template_kwargs,
+            )
+            for conv, sp in zip(convs, params, strict=True)
+        ]
+        outs = self.generate([t.prompt for t in turns], [t.params for t in turns])
+        return [chat.read(t, o) for t, o in zip(turns, outs, strict=True)]

@@ -12,6 +12,7 @@ from typing import Literal
 
 # KVPolicy lives beside the policies it names; this is its public place (`services.KVPolicy`).
 from kvcache.policy_spec import KVPolicy as KVPolicy
+from services.dialects import Call
 from services.grammar.structured import StructuredOutput
 
 FinishReason = Literal["stop", "length", "error", "abort"]
@@ -219,6 +220,11 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None  # SamplingParams.prompt_logprobs: tokens 1..n-1
     # SamplingParams.logprobs: one per output token (all of them: stream deltas slice it)
     logprobs: list[TokenLogprob] | None = None
+    # `LLM.chat`'s answer split by its dialect (services/engine/chat.py): the thinking, the
+    # rest of the text, and the whole calls (`name`, `arguments` as JSON text)
+    reasoning_text: str | None = None
+    content: str | None = None
+    tool_calls: list[Call] | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ def check_name(field: str, name: str | None) -> None:
         raise ValueError(f"{field}: {name!r} is not one of {', '.join(BACKENDS)}")
 
 
+MAX_WHITESPACE_CNT = 8  # whitespace characters in a row inside JSON, by default
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Constrains the output to a grammar: exactly one of the kinds below is set.
@@ -54,7 +57,7 @@ class StructuredOutput:
     grammar: str | None = None
     structural_tag: dict[str, Any] | None = None
     grammar_id: str | None = None
-    max_whitespace_cnt: int | None = 8
+    max_whitespace_cnt: int | None = MAX_WHITESPACE_CNT
     compact: bool = False
     strict: bool = True
     fidelity: Literal["warn", "strict"] = "warn"

@@ -1,0 +1,106 @@
+"""The structural tag an answer is held to: the dialect's thinking block (as the prompt left it),
+then text and/or calls as `tool_choice` asks, or the response format's schema."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def tag_for(
+    dialect: str,
+    tools: list[dict[str, Any]],
+    tool_choice: Any = "auto",
+    parallel: bool = True,
+    reasoning: str = "disabled",
+    max_whitespace_cnt: int | None = 8,
+) -> dict[str, Any]:
+    """The structural tag an answer in `dialect` is held to: an optional thinking block
+    (`reasoning`: enabled (the prompt opened it), auto, disabled), then text and/or calls as
+    `tool_choice` asks (auto, required, or {"type": "function", "function": {"name": ...}})."""
+    from xgrammar import get_model_structural_tag
+
+    style = "qwen_3" if dialect == "hermes" else dialect
+    if reasoning not in ("enabled", "disabled", "auto"):
+        raise ValueError(f"reasoning: enabled, disabled or auto, got {reasoning!r}")
+    tag = get_model_structural_tag(
+        style,
+        tools=list[Any](tools),
+        tool_choice=tool_choice,
+        reasoning="disabled" if dialect == "hermes" else reasoning,  # type: ignore[arg-type]
+        parallel_tool_calls=parallel,
+        max_whitespace_cnt=max_whitespace_cnt,  # a run of it in arguments is a small model's loop
+    )
+    out: dict[str, Any] = json.loads(tag.model_dump_json(exclude_none=True))
+    return out
+
+
+def _thinking(dialect: str, mode: str) -> dict[str, Any] | None:
+    """The dialect's thinking block alone (what `mode` puts before its answer), or None where
+    it has none apart (`none`, `hermes`, `llama`; harmony weaves it into its channels)."""
+    if dialect in ("none", "hermes") or mode == "disabled":
+        return None
+    on = tag_for(dialect, [], "auto", True, mode)["format"]
+    off = tag_for(dialect, [], "auto", True, "disabled")["format"]
+    elements = on.get("elements", [])
+    return elements[0] if on.get("type") == "sequence" and elements[1:] == [off] else None
+
+
+def markers(dialect: str) -> tuple[str, str] | None:
+    """The dialect's thinking block's opening and closing markers (`<think>`, `</think>`)."""
+    block = _thinking(dialect, "auto")
+    while block is not None and block.get("type") != "tag":
+        block = block.get("content") or (block.get("elements") or [None])[0]
+    if block is None:
+        return None
+    end = block["end"] if isinstance(block["end"], str) else block["end"][0]
+    return block["begin"], end
+
+
+def reasoning_mode(prompt: str, dialect: str, template_thinks: bool) -> str:
+    """How the rendered prompt leaves thinking: `enabled` (it ends inside an opened block, as
+    Qwen3's and DeepSeek-R1's generation prompts do), `disabled` (it closed an empty one, as
+    `enable_thinking: false` renders, or the template has none), else `auto` (the model may
+    open one). Read from the prompt, never guessed from the model's name."""
+    found = markers(dialect)
+    if found is None or not template_thinks:
+        return "disabled"
+    opener, closer = found
+    tail = prompt.rstrip()
+    if tail.endswith(closer):
+        return "disabled"
+    if tail.endswith(opener):
+        return "enabled"
+    return "auto"
+
+
+def answer_tag(
+    dialect: str,
+    reasoning_dialect: str,
+    mode: str,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = "auto",
+    parallel: bool = True,
+    schema: dict[str, Any] | None = None,
+    max_whitespace_cnt: int | None = 8,
+) -> dict[str, Any]:
+    """One structural tag for a whole answer: `reasoning_dialect`'s thinking block as `mode`
+    leaves it, then `dialect`'s calls (with free text under `auto`) when there are tools, else
+    the response format's `schema`, else free text."""
+    calls = bool(tools) and tool_choice != "none" and dialect != "none"
+    if calls and reasoning_dialect == dialect:  # the dialect weaves its own thinking in
+        return tag_for(dialect, tools or [], tool_choice, parallel, mode, max_whitespace_cnt)
+    answer: dict[str, Any]
+    if calls:
+        answer = tag_for(
+            dialect, tools or [], tool_choice, parallel, "disabled", max_whitespace_cnt
+        )["format"]
+    elif schema is not None:
+        answer = {"type": "json_schema", "json_schema": schema}
+        if max_whitespace_cnt is not None:
+            answer["max_whitespace_cnt"] = max_whitespace_cnt
+    else:
+        answer = {"type": "any_text"}
+    thinking = _thinking(reasoning_dialect, mode)
+    fmt = answer if thinking is None else {"type": "sequence", "elements": [thinking, answer]}
+    return {"type": "structural_tag", "format": fmt}

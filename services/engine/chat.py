@@ -1,0 +1,143 @@
+"""Chat with tools and thinking, offline: the prompt rendered with the tools, the answer held to
+one structural tag in the model's dialect (services/dialects), read back into reasoning,
+content and calls by walking that tag.
+
+The dialect is the chat template's (`auto`, detected once at start-up and logged) unless named
+(`LLM(tool_call_format=..., reasoning_format=...)`). Whether an answer opens with thinking
+follows the rendered prompt: a generation prompt that opened the block (Qwen3, DeepSeek-R1), one
+that closed an empty block (`chat_template_kwargs={"enable_thinking": False}`), or neither (the
+model may open one). A response format's schema holds what follows the thinking.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+from services.dialects import Answer, answer_tag, check, detect, reasoning_mode, split, thinks
+from services.engine.params import RequestOutput, SamplingParams
+from services.grammar.finish import bounded
+from services.grammar.structured import MAX_WHITESPACE_CNT, StructuredOutput
+from services.sandbox.validate import Validators, schema_text
+
+log = logging.getLogger(__name__)
+_TAIL_TOKENS = 16  # of the rendered prompt, read for the thinking block's markers
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """The served model's call dialect and thinking dialect (`none`: no thinking block)."""
+
+    tools: str
+    reasoning: str
+    thinks: bool  # the template may open a thinking block
+    why: str
+
+
+def check_names(tool_call_format: str, reasoning_format: str) -> None:
+    check(tool_call_format, "tool_call_format")
+    check(reasoning_format, "reasoning_format")
+
+
+def resolve(
+    tokenizer: Any, tool_call_format: str = "auto", reasoning_format: str = "auto"
+) -> Dialect:
+    """The dialects to serve, from the settings and the chat template; unknown names fail."""
+    check_names(tool_call_format, reasoning_format)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates
+        template = " ".join(str(t) for t in template.values())
+    found, why = detect(template)
+    tools = found if tool_call_format == "auto" else tool_call_format
+    why = why if tool_call_format == "auto" else "tool_call_format names it"
+    thinking = thinks(template)
+    if reasoning_format == "auto":
+        reasoning = tools if thinking else "none"
+    else:
+        reasoning, thinking = reasoning_format, reasoning_format != "none"
+    log.info("dialect: calls %s, thinking %s (%s)", tools, reasoning, why)
+    return Dialect(tools, reasoning, thinking, why)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One conversation's request: its prompt, its params (held to `tag` where there is
+    anything to hold), and what reading the answer back needs."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tag: dict[str, Any]
+    names: list[str]
+    schema: dict[str, Any] | None
+
+
+def plan(
+    engine: Any,
+    dialect: Dialect,
+    messages: list[dict[str, Any]],
+    params: SamplingParams,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = "auto",
+    parallel_tool_calls: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> Turn:
+    calls = bool(tools) and tool_choice != "none"
+    options = dict(chat_template_kwargs or {})
+    if calls:
+        options["tools"] = tools
+    prompt = engine.apply_chat_template(messages, **options)
+    tail = engine.tokenizer.decode(prompt[-_TAIL_TOKENS:])
+    mode = reasoning_mode(tail, dialect.reasoning, dialect.thinks)
+    so = params.structured
+    schema = so.json_schema if so is not None and isinstance(so.json_schema, dict) else None
+    held = [_bounded(t) for t in tools or ()] if calls else None
+    spaces = so.max_whitespace_cnt if so is not None else MAX_WHITESPACE_CNT
+    tag = answer_tag(
+        dialect.tools,
+        dialect.reasoning,
+        mode,
+        held,
+        tool_choice,
+        parallel_tool_calls,
+        schema,
+        spaces,
+    )
+    if calls or (schema is not None and mode != "disabled"):
+        if so is not None and so.kind not in ("json_schema", "json_object"):
+            raise ValueError(
+                f"structured.{so.kind}: only a JSON schema goes with tools or thinking"
+            )
+        params = replace(params, structured=StructuredOutput(structural_tag=tag))
+    names = [t["function"]["name"] for t in tools or () if calls]
+    return Turn(prompt, params, tag, names, schema if params.structured is not so else None)
+
+
+def _bounded(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool whose arguments' numbers are bounded as a schema's are (grammar/finish.py)."""
+    function = tool.get("function", {})
+    parameters = function.get("parameters")
+    if not isinstance(parameters, dict):
+        return tool
+    return {**tool, "function": {**function, "parameters": bounded(parameters)}}
+
+
+_validators = Validators()
+
+
+def read(turn: Turn, out: RequestOutput) -> RequestOutput:
+    """`out` with its answer split: `reasoning_text`, `content`, `tool_calls`; a call the text
+    ended inside (max_tokens) is left out and said in `warnings`; the response format's schema
+    checks the content."""
+    answer: Answer = split(turn.tag, out.text, turn.names)
+    out.reasoning_text = answer.reasoning or None
+    out.content = answer.content or None
+    out.tool_calls = answer.calls
+    for name in answer.cut:
+        out.warnings.append(f"tool_calls: the answer ended inside a call of {name}; left out")
+    if turn.schema is not None and out.finish_reason == "stop":
+        ok, why = _validators.verdict(schema_text(turn.schema), answer.content)
+        out.validated = ok
+        if not ok:
+            out.warnings.append(why or "output failed validation")
+    return out

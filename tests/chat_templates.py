@@ -1,0 +1,64 @@
+"""Chat templates in families' published formats, written here (the tests have no network):
+each renders tools, earlier calls and results, and the generation prompt as its family does."""
+
+from __future__ import annotations
+
+# Qwen3: tools in the system turn, Hermes calls; the generation prompt leaves thinking to the
+# model, and `enable_thinking=False` closes an empty block for it
+QWEN3 = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content or '' }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+# DeepSeek-R1: the generation prompt opens the thinking block
+DEEPSEEK_R1 = """\
+{{ bos_token }}{%- for message in messages %}
+{%- if message.role == 'user' %}<｜User｜>{{ message.content }}
+{%- elif message.role == 'assistant' %}<｜Assistant｜>{{ message.content }}<｜end▁of▁sentence｜>
+{%- endif %}
+{%- endfor %}
+{%- if tools %}{# calls: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME #}
+{%- endif %}
+{%- if add_generation_prompt %}<｜Assistant｜><think>
+{% endif %}"""

@@ -1,0 +1,117 @@
+"""`LLM.chat` with tools and thinking on random-weight models with families' chat templates
+(tests/chat_templates.py): the dialect detected from the template, calls held to it and split
+back into `tool_calls` whose arguments validate, thinking split into `reasoning_text` as the
+rendered prompt leaves it, a call cut by max_tokens left out with a warning."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from services import LLM, SamplingParams, StructuredOutput
+from tests.chat_templates import DEEPSEEK_R1, QWEN3
+from tests.families import build
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer"},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOTHING = {"type": "object", "properties": {}, "additionalProperties": False}
+NOW = {"type": "function", "function": {"name": "now", "parameters": NOTHING}}
+ASK = [{"role": "user", "content": "Weather in Oslo for three days?"}]
+OFF = {"enable_thinking": False}
+
+
+def folder_with(template: str, root, loaded_model) -> str:
+    folder = build("qwen3", root, loaded_model.path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, loaded_model):
+    folder = folder_with(QWEN3, tmp_path_factory.mktemp("qwen3"), loaded_model)
+    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
+    yield llm
+    llm.engine.grammars.shutdown()
+
+
+def test_the_dialect_is_the_templates(qwen3):
+    assert (qwen3.dialect.tools, qwen3.dialect.reasoning) == ("qwen_3", "qwen_3")
+    assert "<tool_call> and <think>" in qwen3.dialect.why
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_calls_are_held_to_the_dialect_and_split_back(qwen3, choice):
+    params = SamplingParams(max_tokens=96, temperature=0)
+    out = qwen3.chat(
+        ASK,
+        params,
+        tools=[WEATHER, NOW],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        chat_template_kwargs=OFF,
+    )[0]
+    assert out.finish_reason == "stop", out.warnings
+    assert out.reasoning_text is None and len(out.tool_calls) == 1
+    call = out.tool_calls[0]
+    if isinstance(choice, dict):
+        assert call.name == "get_weather"
+    schema = {"get_weather": WEATHER, "now": NOW}[call.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.arguments), schema)
+    assert out.text.startswith("<tool_call>\n{") and out.text.endswith("</tool_call>")
+
+
+def test_a_call_cut_by_max_tokens_is_left_out(qwen3):
+    params = SamplingParams(max_tokens=12, temperature=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = qwen3.chat(ASK, params, tools=[WEATHER], tool_choice=named, chat_template_kwargs=OFF)[0]
+    assert out.finish_reason == "length" and out.tool_calls == []
+    assert any("ended inside a call of get_weather" in w for w in out.warnings), out.warnings
+
+
+def test_no_tools_no_grammar_and_a_schema_holds_the_answer(qwen3):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    params = SamplingParams(
+        max_tokens=24, temperature=0, structured=StructuredOutput(json_schema=schema)
+    )
+    out = qwen3.chat(ASK, params, chat_template_kwargs=OFF)[0]
+    assert out.tool_calls == [] and out.reasoning_text is None
+    assert out.finish_reason == "stop" and out.validated is True, out.warnings
+    jsonschema.validate(json.loads(out.content), schema)
+
+
+def test_a_prompt_that_opens_thinking_splits_it_out(tmp_path_factory, loaded_model):
+    folder = folder_with(DEEPSEEK_R1, tmp_path_factory.mktemp("r1"), loaded_model)
+    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
+    try:
+        assert (llm.dialect.tools, llm.dialect.reasoning) == ("deepseek_r1", "deepseek_r1")
+        out = llm.chat(ASK, SamplingParams(max_tokens=8, temperature=0), tools=[WEATHER])[0]
+        # the block the prompt opened never closed within 8 tokens: all of it is thinking
+        assert out.finish_reason == "length" and out.tool_calls == []
+        assert out.reasoning_text == out.text.strip() and out.content is None
+    finally:
+        llm.engine.grammars.shutdown()
+
+
+def test_an_unknown_dialect_fails_at_start_with_the_list(loaded_model):
+    with pytest.raises(ValueError, match=r"tool_call_format: unknown dialect 'qwen3'.*qwen_3"):
+        LLM(loaded=loaded_model, kv_cache_memory=32 << 20, tool_call_format="qwen3")
