@@ -83,11 +83,13 @@ def repeated_end(last: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _tool_verdict(
-    obs: RequestObs, body: Any, result: dict[str, Any], calls: list[Any]
+    obs: RequestObs, body: Any, result: dict[str, Any], parser: tools.CallParser
 ) -> str | None:
     """A choice's finish reason once its calls are known; their arguments' validation goes
-    into its `validated` and `warnings`, as a schema's does."""
+    into its `validated` and `warnings`, as a schema's does, beside any call left out cut."""
+    calls = parser.calls
     validated, problems = await tools.validate(body, calls, obs.tenant)
+    result["warnings"] = [*result["warnings"], *tools.cut_warnings(parser)]
     if validated is not None:
         result["validated"] = validated
         result["warnings"] = [*result["warnings"], *problems]
@@ -162,7 +164,7 @@ async def collect(
             message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
             if parsers is not None:
                 message["content"], calls = parsers[i].result()
-                reason = await _tool_verdict(obs, body, r, calls)
+                reason = await _tool_verdict(obs, body, r, parsers[i])
                 if calls:
                     message["tool_calls"] = [c.as_dict() for c in calls]
             lp = logprobs.chat(r["logprobs"])
@@ -249,7 +251,7 @@ async def sse(
             delta = repeated_end(delta)
         parts += parser.finish() if delta["finished"] else []
         if delta["finished"]:
-            reason = await _tool_verdict(obs, body, delta, parser.calls)
+            reason = await _tool_verdict(obs, body, delta, parser)
             delta = {**delta, "finish_reason": reason}
         if not parts and (delta["finished"] or delta.get("logprobs") is not None):
             parts = [{}]

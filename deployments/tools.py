@@ -9,7 +9,9 @@ structural tag whose tags are `call_begin(name)` + the function's `parameters` +
   always parse and follow the schema; a named function: one call of it.
 Arguments are sent as the model wrote them (a JSON object's text), streamed or whole, and
 validated against the function's schema after the fact, like `response_format`'s output. A call
-identical to an earlier one of the same answer (a small model's loop) is dropped and ends it.
+is sent only once whole: one the answer ended inside (`max_tokens`) is left out and named in
+the warnings, never sent in part. A call identical to an earlier one of the same answer (a
+small model's loop) is dropped and ends it.
 """
 
 from __future__ import annotations
@@ -143,10 +145,11 @@ class CallParser:
     calls: list[ToolCall] = field(default_factory=list)
     content: str = ""
     repeated: bool = False  # the model called again exactly as before: the answer ends there
+    cut: list[str] = field(default_factory=list)  # calls the text ended inside: left out
     _buffer: str = ""
     _state: str = "text"  # text | head | args | done
     _pending: str = ""  # whitespace held back
-    _held_calls: list[dict[str, Any]] = field(default_factory=list)  # a later call's deltas
+    _held_calls: list[dict[str, Any]] = field(default_factory=list)  # the open call's deltas
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self._state == "done":
@@ -160,14 +163,18 @@ class CallParser:
                 return deltas
 
     def finish(self) -> list[dict[str, Any]]:
-        """What is left: a cut call's arguments so far, or text."""
+        """What is left: text; a call the text ended inside is dropped (named in `cut`)."""
         rest, self._buffer = self._buffer, ""
         if self._state == "done":
             return []
         if self._state == "args":
-            out = self._args(rest)
-            held, self._held_calls = self._held_calls, []
-            return held + out
+            self.cut.append(self.calls.pop().name)
+            self._held_calls, self._state = [], "done"
+            return []
+        if self._state == "head" and _could_be_head(rest):  # ended inside a call's head
+            self.cut.append("a call")
+            self._state = "done"
+            return []
         if self._state == "head":
             rest = TRIGGER + rest
         self._state = "text"
@@ -218,11 +225,9 @@ class CallParser:
         return buf[: len(buf) - keep], False
 
     def _complete(self) -> list[dict[str, Any]]:
-        """A later call is sent once whole, unless it repeats an earlier one: a small model's
-        loop (it would run to max_tokens and end cut); it is dropped and the answer ends."""
+        """A call is sent once whole, unless it repeats an earlier one: a small model's loop
+        (it would run to max_tokens and end cut); it is dropped and the answer ends."""
         held, self._held_calls = self._held_calls, []
-        if len(self.calls) < 2:
-            return []
         last = self.calls[-1]
         if any(_same(last, c) for c in self.calls[:-1]):
             self.calls.pop()
@@ -231,9 +236,7 @@ class CallParser:
         return held
 
     def _out(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if len(self.calls) < 2:
-            return deltas
-        self._held_calls += deltas
+        self._held_calls += deltas  # until the call is whole (_complete)
         return []
 
     def _args(self, text: str) -> list[dict[str, Any]]:
@@ -277,6 +280,17 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
     parser = CallParser()
     parser.feed(text)
     return parser.result()
+
+
+def cut_warnings(parser: CallParser) -> list[str]:
+    return [
+        f"tool_calls: the answer ended inside {_called(name)} (max_tokens); it was left out"
+        for name in parser.cut
+    ]
+
+
+def _called(name: str) -> str:
+    return name if name == "a call" else f"a call of {name}"
 
 
 def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:

@@ -180,3 +180,22 @@ def test_loosened_keywords_in_a_function_schema_are_reported(client):
     )
     (warnings,) = out.model_extra["structserve"]["warnings"]
     assert any("uniqueItems: not enforced" in w for w in warnings), warnings
+
+
+def test_a_call_cut_by_max_tokens_is_never_sent(client):
+    """The answer ends inside a call: no part of it is sent, whole or streamed, and the
+    warnings name it; what came whole before it still validates."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = {"tool_choice": named, "max_tokens": 20}
+    out = create(client, **kw)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    warnings = out.model_extra["structserve"]["warnings"][0]
+    assert any("the answer ended inside a call" in w for w in warnings), warnings
+    streamed = [
+        d
+        for chunk in create(client, stream=True, **kw)
+        for c in chunk.choices
+        for d in c.delta.tool_calls or ()
+    ]
+    assert streamed == []

@@ -18,7 +18,7 @@ LAYERS = (
     {"services", "services.settings", "grammar_registry"},
     {"kvcache", "services.telemetry", "services.sandbox"},
     {"services.models"},
-    {"services.grammar"},  # what a grammar is and how one is built (README: the layout)
+    {"services.grammar", "services.dialects"},  # grammars, and answers in a dialect (README)
     {"services.compiler"},
     {"services.engine"},
     {"services.demo", "deployments"},

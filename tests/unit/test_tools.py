@@ -194,3 +194,40 @@ def test_a_template_that_takes_tools_gets_them_as_they_are(tokenizer):
     assert "<tools>" not in text
     fallback = tokenizer.decode(ChatRenderer(tokenizer, workers=0).ids(hi, 10_000, tools=TOOLS))
     assert "<tools>" in fallback and '"name": "get_weather"' in fallback
+
+
+def test_a_call_the_answer_ended_inside_is_never_sent():
+    """`max_tokens` cut the second call: the first comes out whole, the cut one not at all,
+    streamed or whole, and it is named in the warnings."""
+    text = WEATHER + "\n" + tool_format.call_begin("get_weather") + '{"city": "Os'
+    content, calls = tools.parse(text)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    parser, deltas = tools.CallParser(), []
+    for ch in text:
+        deltas += parser.feed(ch)
+    deltas += parser.finish()
+    sent = [e for d in deltas for e in d.get("tool_calls", ())]
+    assert {e["index"] for e in sent} == {0}  # nothing of the cut call, not even its name
+    assert "".join(e["function"]["arguments"] for e in sent) == '{"city": "Paris"}'
+    assert parser.cut == ["get_weather"]
+    assert "ended inside a call of get_weather" in tools.cut_warnings(parser)[0]
+
+
+def test_an_answer_ended_inside_a_calls_head_has_no_call_and_no_head_text():
+    content, calls = tools.parse("Sure. " + tool_format.call_begin("get_weather")[:20])
+    assert content == "Sure." and calls == []
+    parser = tools.CallParser()
+    parser.feed(tool_format.TRIGGER + '\n{"na')
+    assert parser.finish() == [] and parser.cut == ["a call"]
+
+
+def test_a_call_is_sent_only_once_whole():
+    parser = tools.CallParser()
+    head = parser.feed(WEATHER[: len(WEATHER) - 20])
+    assert not [d for d in head if "tool_calls" in d]  # its head and arguments so far held
+    rest = parser.feed(WEATHER[len(WEATHER) - 20 :])
+    assert [e["function"]["name"] for d in rest for e in d.get("tool_calls", ()) if "id" in e] == [
+        "get_weather"
+    ]
