@@ -15,8 +15,17 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.dialects import Answer, answer_tag, check, detect, reasoning_mode, split, thinks
-from services.engine.params import RequestOutput, SamplingParams
+from services.dialects import (
+    Answer,
+    answer_tag,
+    check,
+    detect,
+    markers,
+    reasoning_mode,
+    split,
+    thinks,
+)
+from services.engine.params import RequestOutput, SamplingParams, Thinking
 from services.grammar.finish import bounded
 from services.grammar.structured import MAX_WHITESPACE_CNT, StructuredOutput
 from services.sandbox.validate import Validators, schema_text
@@ -103,6 +112,10 @@ def plan(
         schema,
         spaces,
     )
+    found = markers(dialect.reasoning)
+    if params.thinking_token_budget is not None and mode != "disabled" and found is not None:
+        ids = tuple(engine.tokenizer.encode(found[1], add_special_tokens=False))
+        params = replace(params, thinking=Thinking(mode == "enabled", *found, ids))
     if calls or (schema is not None and mode != "disabled"):
         if so is not None and so.kind not in ("json_schema", "json_object"):
             raise ValueError(

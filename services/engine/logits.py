@@ -10,13 +10,16 @@ The per-row work is only gathering the token ids each row already holds.
   in the output, minus the penalty times its count;
 - `logit_bias`: added to the listed tokens;
 - `min_tokens`: end-of-sequence and stop tokens are masked until that many tokens are out. A
-  request with a grammar is left to its grammar: masking the end it forces would leave nothing.
+  request with a grammar is left to its grammar: masking the end it forces would leave nothing;
+- `thinking_token_budget`: a thinking block past its budget keeps only its closing marker's next
+  token (services/engine/thinking.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from services.engine import thinking
 from services.engine.request import Request
 
 
@@ -28,6 +31,7 @@ def apply(logits: torch.Tensor, requests: list[Request]) -> None:
         _penalties(logits, requests, penalized)
         _bias(logits, requests, penalized)
     _min_tokens(logits, requests)
+    thinking.force(logits, requests)  # a thinking block past its budget closes
 
 
 def _flat(rows: list[int], ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, ...]:

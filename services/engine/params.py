@@ -30,8 +30,19 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs bound
 MAX_SALT_CHARS = 256
+MAX_THINKING_BUDGET = 1 << 24  # above any context: max_tokens ends the request first
 MAX_LOGIT_BIAS = 1024  # OpenAI has no bound; a dict this long is already a vocabulary slice
 _SEED_RANGE = (-(2**63), 2**64)  # what a torch.Generator accepts
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A thinking block's markers: open from the start when the prompt opened it."""
+
+    open_at_start: bool
+    opener: str
+    closer: str
+    closer_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -68,10 +79,20 @@ class SamplingParams:
     # keeps this request's cached prefix apart from the rest of its tenant's (vLLM's field):
     # only requests with the same salt share prefix pages (tenants never share any)
     cache_salt: str | None = None
+    # the thinking block may run this many tokens, then its closing marker is written for it
+    # and the answer goes on (vLLM's name; services/engine/thinking.py). `thinking`: the
+    # block's markers, which `LLM.chat` fills in from the model's dialect
+    thinking_token_budget: int | None = None
+    thinking: Thinking | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        budget = self.thinking_token_budget
+        if budget is not None and not 0 <= budget <= MAX_THINKING_BUDGET:
+            raise ValueError(
+                f"thinking_token_budget: must be in [0, {MAX_THINKING_BUDGET}], got {budget}"
+            )
         if not (0.0 <= self.temperature <= 100.0) or math.isnan(self.temperature):
             raise ValueError(f"temperature: must be in [0, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):

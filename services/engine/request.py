@@ -24,6 +24,7 @@ from services.engine.params import (
     SamplingParams,
     TokenLogprob,
 )
+from services.engine.thinking import ThinkingState
 from services.grammar.canonical import structured_key
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class Request:
     draft_room: int | None = None  # `draft_length="adaptive"`: the next draft's length cap
     prompt_logprobs: list[float] | None = None
     logprobs: list[TokenLogprob] | None = None  # SamplingParams.logprobs: one per output token
+    thinking: ThinkingState | None = None  # SamplingParams.thinking_token_budget's (thinking.py)
     _emitted_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -108,6 +110,9 @@ class Request:
         self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
         if not self.metrics.arrival_time:
             self.metrics.arrival_time = time.perf_counter()
+        spec, budget = self.params.thinking, self.params.thinking_token_budget
+        if spec is not None and budget is not None and self.thinking is None:
+            self.thinking = ThinkingState.of(spec, budget)
 
     @property
     def num_tokens(self) -> int:

@@ -76,6 +76,8 @@ class TokenPath:
             req.record_logprobs(logprob, new)
         stage("detokenize")  # stop strings are matched as the text grows
         req.detokenizer.add_tokens(new)
+        if req.thinking is not None:  # its budget counts what the block holds
+            req.thinking.after(req, new)
         stage("stop")
         reason = reason or self._stop_reason(req, new[-1])
         if reason:

@@ -99,19 +99,53 @@ def test_no_tools_no_grammar_and_a_schema_holds_the_answer(qwen3):
     jsonschema.validate(json.loads(out.content), schema)
 
 
-def test_a_prompt_that_opens_thinking_splits_it_out(tmp_path_factory, loaded_model):
-    folder = folder_with(DEEPSEEK_R1, tmp_path_factory.mktemp("r1"), loaded_model)
-    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
-    try:
-        assert (llm.dialect.tools, llm.dialect.reasoning) == ("deepseek_r1", "deepseek_r1")
-        out = llm.chat(ASK, SamplingParams(max_tokens=8, temperature=0), tools=[WEATHER])[0]
-        # the block the prompt opened never closed within 8 tokens: all of it is thinking
-        assert out.finish_reason == "length" and out.tool_calls == []
-        assert out.reasoning_text == out.text.strip() and out.content is None
-    finally:
-        llm.engine.grammars.shutdown()
+def test_a_prompt_that_opens_thinking_splits_it_out(r1):
+    assert (r1.dialect.tools, r1.dialect.reasoning) == ("deepseek_r1", "deepseek_r1")
+    out = r1.chat(ASK, SamplingParams(max_tokens=8, temperature=0), tools=[WEATHER])[0]
+    # the block the prompt opened never closed within 8 tokens: all of it is thinking
+    assert out.finish_reason == "length" and out.tool_calls == []
+    assert out.reasoning_text == out.text.strip() and out.content is None
 
 
 def test_an_unknown_dialect_fails_at_start_with_the_list(loaded_model):
     with pytest.raises(ValueError, match=r"tool_call_format: unknown dialect 'qwen3'.*qwen_3"):
         LLM(loaded=loaded_model, kv_cache_memory=32 << 20, tool_call_format="qwen3")
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory, loaded_model):
+    folder = folder_with(DEEPSEEK_R1, tmp_path_factory.mktemp("r1"), loaded_model)
+    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
+    yield llm
+    llm.engine.grammars.shutdown()
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+def test_thinking_ends_at_its_budget_then_the_calls_follow(r1, budget):
+    params = SamplingParams(max_tokens=160, temperature=0, thinking_token_budget=budget)
+    out = r1.chat(ASK, params, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)[
+        0
+    ]
+    close = r1.tokenizer.encode("</think>", add_special_tokens=False)
+    assert out.token_ids[budget : budget + len(close)] == close  # written for it at the budget
+    assert out.finish_reason == "stop", out.warnings
+    assert [c.name for c in out.tool_calls] == ["get_weather"]
+    jsonschema.validate(json.loads(out.tool_calls[0].arguments), WEATHER["function"]["parameters"])
+    assert out.reasoning_text == (out.text.split("</think>")[0].strip() or None)
+
+
+def test_a_budget_past_any_context_is_refused_by_name():
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=10**9)
+
+
+def test_a_forced_close_leaves_the_rest_of_the_batch_alone(r1):
+    """The budget masks its own row only: a victim's tokens are the same beside it."""
+    victim = [{"role": "user", "content": "Tell me about Oslo."}]
+    plain = SamplingParams(max_tokens=12, temperature=0)
+    alone = r1.chat(victim, plain)[0]
+    budget = SamplingParams(max_tokens=12, temperature=0, thinking_token_budget=0)
+    both = r1.chat([victim, ASK], [plain, budget])
+    assert both[0].token_ids == alone.token_ids
+    close = r1.tokenizer.encode("</think>", add_special_tokens=False)
+    assert both[1].token_ids[: len(close)] == close
