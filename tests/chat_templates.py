@@ -62,3 +62,70 @@ DEEPSEEK_R1 = """\
 {%- endif %}
 {%- if add_generation_prompt %}<｜Assistant｜><think>
 {% endif %}"""
+
+# Llama 3.1: tools in the user turn as JSON, calls as a bare JSON object with "parameters"
+LLAMA31 = """\
+{{- bos_token }}<|start_header_id|>system<|end_header_id|>
+
+{% if tools %}Environment: ipython
+{% endif %}Cutting Knowledge Date: December 2023<|eot_id|>
+{%- for message in messages %}
+{%- if message.role == 'user' and tools and loop.last %}<|start_header_id|>user<|end_header_id|>
+
+Given the following functions, please respond with a JSON for a function call with its proper \
+arguments that best answers the given prompt.
+
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its \
+value}. Do not use variables.
+
+{% for t in tools %}{{ t | tojson }}
+
+{% endfor %}{{ message.content }}<|eot_id|>
+{%- elif message.role == 'assistant' and message.tool_calls %}<|start_header_id|>assistant\
+<|end_header_id|>
+
+{%- for call in message.tool_calls %}<|python_tag|>{"name": "{{ call.function.name }}", \
+"parameters": {{ call.function.arguments | tojson }}}{% endfor %}<|eom_id|>
+{%- elif message.role in ('tool', 'ipython') %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+# Qwen3-Coder: calls with XML parameters
+QWEN3_CODER = """\
+{%- if tools %}<|im_start|>system
+# Tools
+
+You have access to the following functions:
+
+<tools>
+{%- for tool in tools %}
+<function>
+<name>{{ tool.function.name }}</name>
+<parameters>{{ tool.function.parameters | tojson }}</parameters>
+</function>
+{%- endfor %}
+</tools>
+
+If you choose to call a function ONLY reply in the following format:
+
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""

@@ -292,7 +292,7 @@ def arguments(span: Span) -> str:
     if span.style == "json":
         return span.text
     if span.style == "qwen_xml":
-        pairs = re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", span.text, re.S)
+        pairs = re.findall(r"<parameter=([^>\n]+)>(.*?)</parameter>", span.text, re.S)
     elif span.style == "glm_xml":
         pairs = re.findall(
             r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", span.text, re.S
@@ -300,11 +300,12 @@ def arguments(span: Span) -> str:
     else:
         raise ValueError(f"arguments in the {span.style!r} style are not read back")
     props = (span.schema or {}).get("properties", {}) if isinstance(span.schema, dict) else {}
-    return json.dumps({k: _value(v, props.get(k)) for k, v in pairs})
+    return json.dumps({k.strip(): _value(v.strip(), props.get(k.strip())) for k, v in pairs})
 
 
 def _value(raw: str, schema: Any) -> Any:
-    """An XML argument's value: a string where the schema says string, else the JSON it holds."""
+    """An XML argument's value (the whitespace around it is layout: the grammar lets a model
+    write any there): a string where the schema says string, else the JSON it holds."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string":
         return raw

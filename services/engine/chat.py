@@ -79,6 +79,7 @@ class Turn:
     tag: dict[str, Any]
     names: list[str]
     schema: dict[str, Any] | None
+    parameters: dict[str, Any]  # each tool's arguments schema, as the caller gave it
 
 
 def plan(
@@ -122,8 +123,10 @@ def plan(
                 f"structured.{so.kind}: only a JSON schema goes with tools or thinking"
             )
         params = replace(params, structured=StructuredOutput(structural_tag=tag))
-    names = [t["function"]["name"] for t in tools or () if calls]
-    return Turn(prompt, params, tag, names, schema if params.structured is not so else None)
+    listed = [t["function"] for t in tools or () if calls]
+    parameters = {f["name"]: f.get("parameters") or {"type": "object"} for f in listed}
+    checked = schema if params.structured is not so else None
+    return Turn(prompt, params, tag, list(parameters), checked, parameters)
 
 
 def _bounded(tool: dict[str, Any]) -> dict[str, Any]:
@@ -140,17 +143,23 @@ _validators = Validators()
 
 def read(turn: Turn, out: RequestOutput) -> RequestOutput:
     """`out` with its answer split: `reasoning_text`, `content`, `tool_calls`; a call the text
-    ended inside (max_tokens) is left out and said in `warnings`; the response format's schema
-    checks the content."""
+    ended inside (max_tokens) is left out and said in `warnings`; each call's arguments and, with
+    a response format's schema, the content are validated (`validated`, the reasons in
+    `warnings`)."""
     answer: Answer = split(turn.tag, out.text, turn.names)
     out.reasoning_text = answer.reasoning or None
     out.content = answer.content or None
     out.tool_calls = answer.calls
     for name in answer.cut:
         out.warnings.append(f"tool_calls: the answer ended inside a call of {name}; left out")
+    checks = [
+        (turn.parameters.get(c.name, {}), c.arguments, f"tool_calls[{c.name}]")
+        for c in answer.calls
+    ]
     if turn.schema is not None and out.finish_reason == "stop":
-        ok, why = _validators.verdict(schema_text(turn.schema), answer.content)
-        out.validated = ok
-        if not ok:
-            out.warnings.append(why or "output failed validation")
+        checks.append((turn.schema, answer.content, "content"))
+    if checks:  # a non-strict tool's arguments too: parsed and validated, never constrained
+        verdicts = [(_validators.verdict(schema_text(s), text), where) for s, text, where in checks]
+        out.validated = all(ok for (ok, _), _ in verdicts)
+        out.warnings += [f"{where}: {why}" for (ok, why), where in verdicts if not ok]
     return out

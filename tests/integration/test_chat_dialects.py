@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services import LLM, SamplingParams, StructuredOutput
-from tests.chat_templates import DEEPSEEK_R1, QWEN3
+from tests.chat_templates import DEEPSEEK_R1, LLAMA31, QWEN3, QWEN3_CODER
 from tests.families import build
 
 WEATHER = {
@@ -36,8 +36,8 @@ ASK = [{"role": "user", "content": "Weather in Oslo for three days?"}]
 OFF = {"enable_thinking": False}
 
 
-def folder_with(template: str, root, loaded_model) -> str:
-    folder = build("qwen3", root, loaded_model.path)
+def folder_with(template: str, root, loaded_model, family: str = "qwen3") -> str:
+    folder = build(family, root, loaded_model.path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(folder)
@@ -77,6 +77,7 @@ def test_calls_are_held_to_the_dialect_and_split_back(qwen3, choice):
         assert call.name == "get_weather"
     schema = {"get_weather": WEATHER, "now": NOW}[call.name]["function"]["parameters"]
     jsonschema.validate(json.loads(call.arguments), schema)
+    assert out.validated is True
     assert out.text.startswith("<tool_call>\n{") and out.text.endswith("</tool_call>")
 
 
@@ -149,3 +150,28 @@ def test_a_forced_close_leaves_the_rest_of_the_batch_alone(r1):
     assert both[0].token_ids == alone.token_ids
     close = r1.tokenizer.encode("</think>", add_special_tokens=False)
     assert both[1].token_ids[: len(close)] == close
+
+
+@pytest.mark.parametrize(
+    ("family", "template", "dialect"),
+    [("llama", LLAMA31, "llama"), ("qwen3", QWEN3_CODER, "qwen_3_coder")],
+)
+def test_other_families_call_in_their_own_format(
+    tmp_path_factory, loaded_model, family, template, dialect
+):
+    folder = folder_with(template, tmp_path_factory.mktemp(dialect), loaded_model, family)
+    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
+    try:
+        assert llm.dialect.tools == dialect and llm.dialect.reasoning == "none"
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("required", named):
+            params = SamplingParams(max_tokens=96, temperature=0)
+            out = llm.chat(
+                ASK, params, tools=[WEATHER, NOW], tool_choice=choice, parallel_tool_calls=False
+            )[0]
+            assert out.finish_reason == "stop" and out.reasoning_text is None, out.warnings
+            assert len(out.tool_calls) == 1 and out.validated is True, out.warnings
+            if choice is named:
+                assert out.tool_calls[0].name == "get_weather"
+    finally:
+        llm.engine.grammars.shutdown()

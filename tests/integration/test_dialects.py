@@ -159,3 +159,22 @@ def test_an_unknown_dialect_is_refused_with_the_list():
     with pytest.raises(ValueError, match="unknown dialect 'qwen3'") as err:
         check("qwen3")
     assert all(name in str(err.value) for name in DIALECTS)
+
+
+def test_each_calls_arguments_are_validated_strict_or_not():
+    """A non-strict tool's arguments are not held to its schema by the grammar (xgrammar's
+    builtin tags leave them any JSON object), so they are validated after: `validated` says
+    whether every call passed, `warnings` which did not and why."""
+    from services.engine.chat import Turn, read
+    from services.engine.params import RequestOutput, SamplingParams
+
+    loose = {**WEATHER, "function": {**WEATHER["function"], "strict": False}}
+    tag_ = tag_for("hermes", [loose], "auto")
+    schema = WEATHER["function"]["parameters"]
+    turn = Turn([], SamplingParams(), tag_, ["get_weather"], None, {"get_weather": schema})
+    for args, ok in (('{"city": "Oslo"}', True), ('{"town": "Oslo"}', False)):
+        text = '<tool_call>\n{"name": "get_weather", "arguments": ' + args + "}\n</tool_call>"
+        out = read(turn, RequestOutput("r", [], text, [], True, "stop"))
+        assert [c.arguments for c in out.tool_calls] == [args]
+        assert out.validated is ok
+        assert ok or any(w.startswith("tool_calls[get_weather]:") for w in out.warnings)
