@@ -129,3 +129,33 @@ value_1
 {% endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+
+# gpt-oss (harmony): channels; tools as a TypeScript namespace in the developer turn; calls go to
+# the commentary channel addressed `to=functions.NAME`, thinking to the analysis channel
+HARMONY = """\
+<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+Reasoning: medium
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{%- if tools %}
+Calls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
+
+## functions
+
+namespace functions {
+{% for t in tools %}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{% endfor %}
+} // namespace functions<|end|>
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}{% if m.thinking %}<|start|>assistant<|channel|>analysis\
+<|message|>{{ m.thinking }}<|end|>{% endif %}<|start|>assistant<|channel|>final<|message|>\
+{{ m.content }}<|end|>
+{%- elif m.role == 'tool' %}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary\
+<|message|>{{ m.content }}<|end|>
+{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""

@@ -66,7 +66,8 @@ def detect(template: str | None) -> tuple[str, str]:
 def thinks(template: str | None) -> bool:
     """Whether the template has a thinking block (its answers may open with one)."""
     text = template or ""
-    return any(m in text for m in ("<think>", "<|channel|>analysis", "◁think▷", "thought\n"))
+    # harmony always may: its analysis channel is one of the channels every answer has
+    return any(m in text for m in ("<think>", "<|channel|>", "◁think▷", "thought\n"))
 
 
 from services.dialects.answer import Answer, Call, Splitter, split  # noqa: E402

@@ -47,14 +47,32 @@ def _thinking(dialect: str, mode: str) -> dict[str, Any] | None:
 
 
 def markers(dialect: str) -> tuple[str, str] | None:
-    """The dialect's thinking block's opening and closing markers (`<think>`, `</think>`)."""
-    block = _thinking(dialect, "auto")
+    """The dialect's thinking block's opening and closing markers (`<think>`, `</think>`; for
+    harmony, its analysis channel's, woven among its other channels)."""
+    block = _thinking(dialect, "auto") or _analysis_channel(dialect)
     while block is not None and block.get("type") != "tag":
         block = block.get("content") or (block.get("elements") or [None])[0]
     if block is None:
         return None
     end = block["end"] if isinstance(block["end"], str) else block["end"][0]
     return block["begin"], end
+
+
+def _analysis_channel(dialect: str) -> dict[str, Any] | None:
+    if dialect in ("none", "hermes"):
+        return None
+    return _find(tag_for(dialect, [], "auto", True, "auto")["format"])
+
+
+def _find(node: Any) -> dict[str, Any] | None:
+    """The first tag whose `begin` opens an analysis channel."""
+    if isinstance(node, list):
+        return next((f for f in map(_find, node) if f is not None), None)
+    if not isinstance(node, dict):
+        return None
+    if node.get("type") == "tag" and "analysis" in str(node.get("begin", "")):
+        return node
+    return _find([v for v in node.values() if isinstance(v, (dict, list))])
 
 
 def reasoning_mode(prompt: str, dialect: str, template_thinks: bool) -> str:

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services import LLM, SamplingParams, StructuredOutput
-from tests.chat_templates import DEEPSEEK_R1, LLAMA31, QWEN3, QWEN3_CODER
+from tests.chat_templates import DEEPSEEK_R1, HARMONY, LLAMA31, QWEN3, QWEN3_CODER
 from tests.families import build
 
 WEATHER = {
@@ -173,5 +173,21 @@ def test_other_families_call_in_their_own_format(
             assert len(out.tool_calls) == 1 and out.validated is True, out.warnings
             if choice is named:
                 assert out.tool_calls[0].name == "get_weather"
+    finally:
+        llm.engine.grammars.shutdown()
+
+
+def test_harmony_calls_are_addressed_to_functions_and_parsed(tmp_path_factory, loaded_model):
+    folder = folder_with(HARMONY, tmp_path_factory.mktemp("harmony"), loaded_model)
+    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
+    try:
+        assert (llm.dialect.tools, llm.dialect.reasoning) == ("harmony", "harmony")
+        params = SamplingParams(max_tokens=96, temperature=0, thinking_token_budget=4)
+        out = llm.chat(
+            ASK, params, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
+        )[0]
+        assert out.finish_reason == "stop", out.warnings
+        assert [c.name for c in out.tool_calls] == ["get_weather"] and out.validated is True
+        assert "to=functions.get_weather" in out.text  # one of harmony's addressings
     finally:
         llm.engine.grammars.shutdown()
