@@ -94,9 +94,6 @@ class _Walker:
     def __init__(self, text: str, final: bool) -> None:
         self.text, self.final = text, final
 
-    def cut(self, spans: list[Span]) -> _Cut:
-        return _Cut(spans)
-
     def match(
         self, fmt: dict[str, Any], pos: int, stop: list[str] | None
     ) -> Iterator[tuple[int, list[Span]]]:
@@ -108,15 +105,15 @@ class _Walker:
             raise ValueError(f"structural tag format {kind!r} is not read back")
         yield from handler(fmt, pos, stop)
 
-    def _literal(self, value: str, pos: int, spans: list[Span]) -> Iterator[int]:
+    def _literal(self, value: str, pos: int) -> Iterator[int]:
         text = self.text
         if text.startswith(value, pos):
             yield pos + len(value)
         elif value.startswith(text[pos:]):  # the text ended inside it
-            raise self.cut(spans)
+            raise _Cut([])
 
     def _const_string(self, fmt: dict, pos: int, stop: Any) -> Iterator[tuple[int, list[Span]]]:
-        for end in self._literal(fmt["value"], pos, []):
+        for end in self._literal(fmt["value"], pos):
             yield end, []
 
     def _regex(self, fmt: dict, pos: int, stop: Any) -> Iterator[tuple[int, list[Span]]]:
@@ -124,7 +121,7 @@ class _Walker:
         if found and (found.end() < len(self.text) or self.final):
             yield found.end(), []
         elif not self.final and pos <= len(self.text):
-            raise self.cut([])
+            raise _Cut([])
 
     def _any_text(self, fmt: dict, pos: int, stop: list[str] | None) -> Iterator[tuple[int, list]]:
         text = self.text
@@ -137,7 +134,7 @@ class _Walker:
             yield len(text), [Span("text", text[pos:])]
             return
         keep = 0 if self.final else _held(text[pos:], stop)
-        raise self.cut([Span("text", text[pos : len(text) - keep], done=False)])
+        raise _Cut([Span("text", text[pos : len(text) - keep], done=False)])
 
     def _json_schema(self, fmt: dict, pos: int, stop: list[str] | None) -> Iterator[tuple]:
         text, style = self.text, fmt.get("style", "json")
@@ -145,12 +142,12 @@ class _Walker:
             try:
                 _, end = _decoder.raw_decode(text, pos)
             except (ValueError, RecursionError):  # under the grammar: the text ended inside
-                raise self.cut([]) from None
+                raise _Cut([]) from None
             yield end, [Span("args", text[pos:end], style=style, schema=fmt.get("json_schema"))]
             return
         hits = [at for at in (text.find(s, pos) for s in stop or []) if at >= 0]
         if not hits:
-            raise self.cut([])
+            raise _Cut([])
         end = min(hits)
         yield end, [Span("args", text[pos:end], style=style, schema=fmt.get("json_schema"))]
 
@@ -166,7 +163,7 @@ class _Walker:
             for end, found in self.match(elements[0], pos, stop if last else None):
                 yield from self._chain(elements[1:], end, stop, spans + found)
         except _Cut as cut:
-            raise self.cut(spans + cut.spans) from None
+            raise _Cut(spans + cut.spans) from None
 
     def _or(self, fmt: dict, pos: int, stop: Any) -> Iterator[tuple[int, list[Span]]]:
         for element in fmt["elements"]:
@@ -183,13 +180,13 @@ class _Walker:
     def _tag(self, fmt: dict, pos: int, stop: Any) -> Iterator[tuple[int, list[Span]]]:
         ends = _ends(fmt["end"])
         try:  # a cut anywhere in it, its begin included, leaves the tag open
-            for start in self._literal(fmt["begin"], pos, []):
+            for start in self._literal(fmt["begin"], pos):
                 for inner_end, inner in self.match(fmt["content"], start, ends):
                     for marker in ends:
-                        for end in self._literal(marker, inner_end, []):
+                        for end in self._literal(marker, inner_end):
                             yield end, self._spans(fmt, inner)
         except _Cut as cut:
-            raise self.cut(self._spans(fmt, cut.spans, done=False)) from None
+            raise _Cut(self._spans(fmt, cut.spans, done=False)) from None
 
     @staticmethod
     def _spans(fmt: dict, inner: list[Span], done: bool = True) -> list[Span]:
@@ -221,7 +218,7 @@ class _Walker:
                 if not self.final and not ends:
                     keep = _held(text[pos:], [*fmt["triggers"], *(stop or [])])
                     free = Span("text", text[pos : len(text) - keep], done=False)
-                    raise self.cut([*spans, free])
+                    raise _Cut([*spans, free])
                 yield limit, [*spans, Span("text", text[pos:limit])]
                 return
             at = min(a for a, _ in hits)
@@ -229,7 +226,7 @@ class _Walker:
             try:
                 found = next(self._tags(fmt, at), None)
             except _Cut as cut:
-                raise self.cut(spans + cut.spans) from None
+                raise _Cut(spans + cut.spans) from None
             if found is None:  # a trigger the tags do not follow: text
                 spans.append(Span("text", text[at : at + 1]))
                 pos = at + 1
@@ -250,7 +247,7 @@ class _Walker:
             try:
                 found = next(self._tags(fmt, pos), None)
             except _Cut as cut:
-                raise self.cut(spans + cut.spans) from None
+                raise _Cut(spans + cut.spans) from None
             if found is None:
                 if spans:
                     yield pos, spans
@@ -260,7 +257,7 @@ class _Walker:
             sep = fmt.get("separator", "")
             rest = self.text[pos:]
             if sep and len(rest) < len(sep) and sep.startswith(rest) and not once:
-                raise self.cut(spans)  # the text ended inside the separator
+                raise _Cut(spans)  # the text ended inside the separator
             if once or not self.text.startswith(sep, pos) or self._next_is_end(pos, stop):
                 yield pos, spans
                 return

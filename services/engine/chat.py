@@ -28,6 +28,7 @@ from services.dialects import (
 from services.engine.params import RequestOutput, SamplingParams, Thinking
 from services.grammar.finish import bounded
 from services.grammar.structured import MAX_WHITESPACE_CNT, StructuredOutput
+from services.grammar.xgrammar_backend import schema_dict
 from services.sandbox.validate import Validators, schema_text
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,6 @@ class Turn:
     prompt: list[int]
     params: SamplingParams
     tag: dict[str, Any]
-    names: list[str]
     schema: dict[str, Any] | None
     parameters: dict[str, Any]  # each tool's arguments schema, as the caller gave it
 
@@ -100,7 +100,11 @@ def plan(
     tail = engine.tokenizer.decode(prompt[-_TAIL_TOKENS:])
     mode = reasoning_mode(tail, dialect.reasoning, dialect.thinks)
     so = params.structured
-    schema = so.json_schema if so is not None and isinstance(so.json_schema, dict) else None
+    schema = None  # a response format (dict, JSON text or pydantic class), held after thinking
+    if so is not None and so.json_schema is not None:
+        schema = schema_dict(so.json_schema)
+    elif so is not None and so.json_object:
+        schema = {"type": "object"}
     held = [_bounded(t) for t in tools or ()] if calls else None
     spaces = so.max_whitespace_cnt if so is not None else MAX_WHITESPACE_CNT
     tag = answer_tag(
@@ -126,7 +130,7 @@ def plan(
     listed = [t["function"] for t in tools or () if calls]
     parameters = {f["name"]: f.get("parameters") or {"type": "object"} for f in listed}
     checked = schema if params.structured is not so else None
-    return Turn(prompt, params, tag, list(parameters), checked, parameters)
+    return Turn(prompt, params, tag, checked, parameters)
 
 
 def _bounded(tool: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +150,7 @@ def read(turn: Turn, out: RequestOutput) -> RequestOutput:
     ended inside (max_tokens) is left out and said in `warnings`; each call's arguments and, with
     a response format's schema, the content are validated (`validated`, the reasons in
     `warnings`)."""
-    answer: Answer = split(turn.tag, out.text, turn.names)
+    answer: Answer = split(turn.tag, out.text, list(turn.parameters))
     out.reasoning_text = answer.reasoning or None
     out.content = answer.content or None
     out.tool_calls = answer.calls

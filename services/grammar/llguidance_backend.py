@@ -32,7 +32,7 @@ from services.grammar.backend import (
     apply_bitmask,
 )
 from services.grammar.fidelity import loosened_keywords
-from services.grammar.fold import folded
+from services.grammar.fold import Folded, folded
 from services.grammar.structured import StructuredOutput
 from services.grammar.xgrammar_backend import fidelity_error, grammar_syntax, json_schema_of
 
@@ -223,31 +223,34 @@ class LLGuidanceBackend:
         """The parser limits of grammars built from now on (the compile service's)."""
         self.limits = parser_limits(limits)
 
-    def grammar_text(self, spec: StructuredOutput) -> tuple[str, dict[str, Any] | None]:
-        """llguidance's grammar for a spec, and the schema outputs are validated against."""
+    def grammar_text(self, spec: StructuredOutput) -> tuple[str, dict[str, Any] | None, Folded]:
+        """llguidance's grammar for a spec, the schema outputs are validated against, and what
+        the grammar was built from (a JSON schema's folds: grammar/fold.py)."""
         if spec.json_schema is not None:
             # Not `bound_numbers`: llguidance 1.9.1 fails to build an integer lexeme with the
             # 64-bit lower bound, so integers stay unbounded here (a digit loop is still cut
             # by `max_repeat_run`)
             schema = json_schema_of(replace(spec, bound_numbers=False))
-            grammar = folded(schema, spec.strict).schema
+            folding = folded(schema, spec.strict)
+            grammar = folding.schema
             text = llguidance.LLMatcher.grammar_from_json_schema(
                 closed(grammar) if spec.strict else grammar, defaults=_json_options(spec)
             )
-            return text, schema
+            return text, schema, folding
         if spec.json_object:
             schema = {"type": "object"}
-            return llguidance.LLMatcher.grammar_from_json_schema(
+            text = llguidance.LLMatcher.grammar_from_json_schema(
                 schema, defaults=_json_options(spec)
-            ), schema
+            )
+            return text, schema, Folded(schema)
         if spec.regex is not None:
-            return llguidance.grammar_from("regex", spec.regex), None
+            return llguidance.grammar_from("regex", spec.regex), None, Folded(None)
         if spec.choice is not None:
-            return llguidance.grammar_from("choice", json.dumps(spec.choice)), None
+            return llguidance.grammar_from("choice", json.dumps(spec.choice)), None, Folded(None)
         if spec.grammar is not None:
             if grammar_syntax(spec) == "ebnf":  # through llguidance's GBNF-to-Lark converter
-                return llguidance.grammar_from("ebnf", spec.grammar), None
-            return llguidance.grammar_from("lark", spec.grammar), None
+                return llguidance.grammar_from("ebnf", spec.grammar), None, Folded(None)
+            return llguidance.grammar_from("lark", spec.grammar), None, Folded(None)
         if spec.structural_tag is not None:
             raise GrammarError(
                 "structured.structural_tag: not supported by the llguidance backend "
@@ -257,7 +260,7 @@ class LLGuidanceBackend:
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         try:
-            text, schema = self.grammar_text(spec)
+            text, schema, folding = self.grammar_text(spec)
         except GrammarError:
             raise
         except (ValueError, TypeError) as exc:  # a GBNF llguidance's converter cannot read
@@ -265,7 +268,6 @@ class LLGuidanceBackend:
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise GrammarError(f"structured.{spec.kind}: {_first_line(matcher.get_error())}")
-        folding = folded(schema, spec.strict)  # the grammar's schema, and what it left out
         warnings = unenforced(matcher.get_grammar_warnings(), folding.schema) + folding.left
         if warnings and spec.fidelity == "strict":
             raise fidelity_error(warnings)

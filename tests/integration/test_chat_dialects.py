@@ -6,6 +6,8 @@ rendered prompt leaves it, a call cut by max_tokens left out with a warning."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import jsonschema
 import pytest
@@ -36,20 +38,24 @@ ASK = [{"role": "user", "content": "Weather in Oslo for three days?"}]
 OFF = {"enable_thinking": False}
 
 
-def folder_with(template: str, root, loaded_model, family: str = "qwen3") -> str:
+@contextmanager
+def served(template: str, root, loaded_model, family: str = "qwen3") -> Iterator[LLM]:
+    """An LLM on a random-weight `family` model whose tokenizer carries `template`."""
     folder = build(family, root, loaded_model.path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(folder)
-    return str(folder)
+    llm = LLM(str(folder), kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
+    try:
+        yield llm
+    finally:
+        llm.engine.grammars.shutdown()
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, loaded_model):
-    folder = folder_with(QWEN3, tmp_path_factory.mktemp("qwen3"), loaded_model)
-    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
-    yield llm
-    llm.engine.grammars.shutdown()
+    with served(QWEN3, tmp_path_factory.mktemp("qwen3"), loaded_model) as llm:
+        yield llm
 
 
 def test_the_dialect_is_the_templates(qwen3):
@@ -115,10 +121,8 @@ def test_an_unknown_dialect_fails_at_start_with_the_list(loaded_model):
 
 @pytest.fixture(scope="module")
 def r1(tmp_path_factory, loaded_model):
-    folder = folder_with(DEEPSEEK_R1, tmp_path_factory.mktemp("r1"), loaded_model)
-    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
-    yield llm
-    llm.engine.grammars.shutdown()
+    with served(DEEPSEEK_R1, tmp_path_factory.mktemp("r1"), loaded_model) as llm:
+        yield llm
 
 
 @pytest.mark.parametrize("budget", [0, 5])
@@ -159,9 +163,8 @@ def test_a_forced_close_leaves_the_rest_of_the_batch_alone(r1):
 def test_other_families_call_in_their_own_format(
     tmp_path_factory, loaded_model, family, template, dialect
 ):
-    folder = folder_with(template, tmp_path_factory.mktemp(dialect), loaded_model, family)
-    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
-    try:
+    root = tmp_path_factory.mktemp(dialect)
+    with served(template, root, loaded_model, family) as llm:
         assert llm.dialect.tools == dialect and llm.dialect.reasoning == "none"
         named = {"type": "function", "function": {"name": "get_weather"}}
         for choice in ("required", named):
@@ -173,14 +176,10 @@ def test_other_families_call_in_their_own_format(
             assert len(out.tool_calls) == 1 and out.validated is True, out.warnings
             if choice is named:
                 assert out.tool_calls[0].name == "get_weather"
-    finally:
-        llm.engine.grammars.shutdown()
 
 
 def test_harmony_calls_are_addressed_to_functions_and_parsed(tmp_path_factory, loaded_model):
-    folder = folder_with(HARMONY, tmp_path_factory.mktemp("harmony"), loaded_model)
-    llm = LLM(folder, kv_cache_memory=32 << 20, grammar_workers=0, sandbox_workers=0)
-    try:
+    with served(HARMONY, tmp_path_factory.mktemp("harmony"), loaded_model) as llm:
         assert (llm.dialect.tools, llm.dialect.reasoning) == ("harmony", "harmony")
         params = SamplingParams(max_tokens=96, temperature=0, thinking_token_budget=4)
         out = llm.chat(
@@ -189,5 +188,19 @@ def test_harmony_calls_are_addressed_to_functions_and_parsed(tmp_path_factory, l
         assert out.finish_reason == "stop", out.warnings
         assert [c.name for c in out.tool_calls] == ["get_weather"] and out.validated is True
         assert "to=functions.get_weather" in out.text  # one of harmony's addressings
-    finally:
-        llm.engine.grammars.shutdown()
+
+
+@pytest.mark.parametrize("form", ["text", "json_object"])
+def test_a_response_format_in_any_form_follows_the_thinking(r1, form):
+    """A schema sent as JSON text, or `json_object`, holds the answer after the block the
+    prompt opened, never from the first token (which would leave no room to think)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    so = StructuredOutput(json_schema=json.dumps(schema), max_whitespace_cnt=1)
+    if form == "json_object":
+        so = StructuredOutput(json_object=True, max_whitespace_cnt=1)
+    params = SamplingParams(max_tokens=64, temperature=0, thinking_token_budget=3, structured=so)
+    out = r1.chat(ASK, params)[0]
+    close = r1.tokenizer.encode("</think>", add_special_tokens=False)
+    assert out.token_ids[3 : 3 + len(close)] == close and out.reasoning_text
+    assert out.finish_reason == "stop" and out.validated is True, out.warnings
+    jsonschema.validate(json.loads(out.content), schema if form == "text" else {"type": "object"})

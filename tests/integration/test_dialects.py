@@ -171,7 +171,7 @@ def test_each_calls_arguments_are_validated_strict_or_not():
     loose = {**WEATHER, "function": {**WEATHER["function"], "strict": False}}
     tag_ = tag_for("hermes", [loose], "auto")
     schema = WEATHER["function"]["parameters"]
-    turn = Turn([], SamplingParams(), tag_, ["get_weather"], None, {"get_weather": schema})
+    turn = Turn([], SamplingParams(), tag_, None, {"get_weather": schema})
     for args, ok in (('{"city": "Oslo"}', True), ('{"town": "Oslo"}', False)):
         text = '<tool_call>\n{"name": "get_weather", "arguments": ' + args + "}\n</tool_call>"
         out = read(turn, RequestOutput("r", [], text, [], True, "stop"))
