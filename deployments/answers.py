@@ -70,26 +70,37 @@ def error_kind(status: int) -> str:
     return KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
-def _parsers(body: Any, chat: bool, n: int) -> list[tools.CallParser] | None:
-    """Each choice's tool-call parser, when the body can call tools."""
-    return [tools.CallParser() for _ in range(n)] if chat and tools.calls_expected(body) else None
+def _readers(body: Any, firsts: list[dict[str, Any]]) -> list[tools.AnswerReader | None]:
+    """Each choice's reader, when its replica said how to split its answer (thinking or
+    calls: replica.py); None: the text is all content."""
+    reasoning = getattr(body, "include_reasoning", True)
+    return [
+        tools.AnswerReader(f["answer"]["tag"], f["answer"]["names"], reasoning)
+        if f.get("answer")
+        else None
+        for f in firsts
+    ]
 
 
 def repeated_end(last: dict[str, Any]) -> dict[str, Any]:
-    """The end of a choice cut short after a repeated tool call (tools.CallParser)."""
+    """The end of a choice cut short after a repeated tool call (tools.AnswerReader)."""
     why = "tool_calls: the model repeated an earlier call; the answer ended there"
     end = {"finished": True, "finish_reason": "stop", "validated": None, "error_status": None}
     return {**last, **end, "warnings": [why]}
 
 
 async def _tool_verdict(
-    obs: RequestObs, body: Any, result: dict[str, Any], parser: tools.CallParser
+    obs: RequestObs, body: Any, result: dict[str, Any], reader: tools.AnswerReader, schema: Any
 ) -> str | None:
-    """A choice's finish reason once its calls are known; their arguments' validation goes
-    into its `validated` and `warnings`, as a schema's does, beside any call left out cut."""
-    calls = parser.calls
-    validated, problems = await tools.validate(body, calls, obs.tenant)
-    result["warnings"] = [*result["warnings"], *tools.cut_warnings(parser)]
+    """A choice's finish reason once its calls are known; their arguments' validation (and the
+    content's, against a response format held after thinking) goes into its `validated` and
+    `warnings`, as a schema's does, beside any call left out cut."""
+    calls = reader.calls
+    content = None
+    if schema is not None and result["finish_reason"] == "stop":
+        content = (schema, reader.content)
+    validated, problems = await tools.validate(body, calls, obs.tenant, content)
+    result["warnings"] = [*result["warnings"], *tools.cut_warnings(reader)]
     if validated is not None:
         result["validated"] = validated
         result["warnings"] = [*result["warnings"], *problems]
@@ -130,15 +141,15 @@ async def collect(
 ) -> dict[str, Any]:
     """The whole answer, once every choice has finished."""
 
-    parsers = _parsers(body, chat, len(streams))
+    readers = _readers(body, firsts)
 
-    async def drain(stream: Any, first: dict[str, Any], parser: Any) -> dict[str, Any]:
+    async def drain(stream: Any, first: dict[str, Any], reader: Any) -> dict[str, Any]:
         text, last = first["delta_text"], first
         items = first.get("logprobs")
         while True:
-            if parser is not None:
-                parser.feed(last["delta_text"])
-                if parser.repeated and not last["finished"]:
+            if reader is not None:
+                reader.feed(last["delta_text"], last["num_delta_tokens"])
+                if reader.repeated and not last["finished"]:
                     cancel([stream])
                     last = repeated_end(last)
             if last["finished"]:
@@ -150,21 +161,25 @@ async def collect(
         return {**last, "text": text, "logprobs": items}
 
     try:
-        each: list[Any] = list(parsers) if parsers else [None] * len(streams)
-        triples = zip(streams, firsts, each, strict=True)
+        triples = zip(streams, firsts, readers, strict=True)
         results = await asyncio.gather(*(drain(s, f, p) for s, f, p in triples))
     except Exception as exc:
         cancel(streams)
         raise ApiError(503, "the model replica failed mid-request; try again") from exc
     choices = []
+    thinking = 0
     for i, r in enumerate(results):
         obs.add_result(r)
         reason = r["finish_reason"]
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
-            if parsers is not None:
-                message["content"], calls = parsers[i].result()
-                reason = await _tool_verdict(obs, body, r, parsers[i])
+            if (reader := readers[i]) is not None:
+                message["content"], calls = reader.result()
+                if reader.thinking and reader.reasoning:
+                    message["reasoning_content"] = message["reasoning"] = reader.thinking
+                schema = firsts[i]["answer"]["schema"]
+                reason = await _tool_verdict(obs, body, r, reader, schema)
+                thinking += reader.thinking_tokens
                 if calls:
                     message["tool_calls"] = [c.as_dict() for c in calls]
             lp = logprobs.chat(r["logprobs"])
@@ -194,6 +209,7 @@ async def collect(
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": results[0]["cached_tokens"]},
+            "completion_tokens_details": {"reasoning_tokens": thinking},
         },
         "structserve": {
             "validated": [r["validated"] for r in results],
@@ -218,7 +234,7 @@ async def sse(
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     offsets = [0] * len(streams)  # characters of each choice already sent (text_offset)
-    parsers = _parsers(body, chat, len(streams))
+    readers = _readers(body, firsts)
 
     def event(index: int, delta: dict[str, Any], choice_delta: dict[str, Any], last: bool) -> str:
         items = delta.get("logprobs")
@@ -241,17 +257,18 @@ async def sse(
         """One event, or with tools one per content or call delta (logprobs ride the first);
         and the delta, made the last when a repeated call ends the choice here."""
         text = delta["delta_text"]
-        if parsers is None:
+        reader = readers[index]
+        if reader is None:
             out = [event(index, delta, {"content": text}, True)]
             offsets[index] += len(text)
             return delta, out
-        parser = parsers[index]
-        parts = parser.feed(text)
-        if parser.repeated and not delta["finished"]:
+        parts = reader.feed(text, delta["num_delta_tokens"])
+        if reader.repeated and not delta["finished"]:
             delta = repeated_end(delta)
-        parts += parser.finish() if delta["finished"] else []
+        parts += reader.finish() if delta["finished"] else []
         if delta["finished"]:
-            reason = await _tool_verdict(obs, body, delta, parser)
+            schema = firsts[index]["answer"]["schema"]
+            reason = await _tool_verdict(obs, body, delta, reader, schema)
             delta = {**delta, "finish_reason": reason}
         if not parts and (delta["finished"] or delta.get("logprobs") is not None):
             parts = [{}]
@@ -313,7 +330,13 @@ async def sse(
         if body.stream_options is not None and body.stream_options.include_usage:
             total = usage["prompt_tokens"] + usage["completion_tokens"]
             details = {"cached_tokens": firsts[0]["cached_tokens"]}
-            usage_out = {**usage, "total_tokens": total, "prompt_tokens_details": details}
+            thinking = sum(r.thinking_tokens for r in readers if r is not None)
+            usage_out = {
+                **usage,
+                "total_tokens": total,
+                "prompt_tokens_details": details,
+                "completion_tokens_details": {"reasoning_tokens": thinking},
+            }
             obj = {"id": rid, "object": kind, "created": created, "model": body.model}
             yield "data: " + json.dumps({**obj, "choices": [], "usage": usage_out}) + "\n\n"
         yield "data: [DONE]\n\n"

@@ -26,6 +26,7 @@ from typing import Any
 
 from deployments.service_config import ServiceConfig
 from services import settings
+from services.dialects import DIALECTS
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -63,6 +64,11 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
     if args.model:
         raw["model"] = args.model
     raw["redis_url"] = args.redis_url or raw.get("redis_url") or settings.redis_url()
+    llm = dict(raw.get("llm", {}))
+    for name in ("tool_call_format", "reasoning_format"):
+        if getattr(args, name, None):
+            llm[name] = getattr(args, name)
+    raw["llm"] = llm
     ingress = dict(raw.get("ingress", {}))
     ingress.update({"port": args.port or ingress.get("port", 8000), "host": args.host})
     raw["ingress"] = ingress
@@ -157,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--redis-url", help="Redis for the grammar cache and registrations")
     s.add_argument("--api-key", help="the default tenant's API key")
     s.add_argument("--config", help="a ServiceConfig as JSON or YAML")
+    for what in ("tool-call", "reasoning"):
+        help_ = f"the model's {what} dialect (default auto: read from its chat template)"
+        s.add_argument(f"--{what}-format", choices=DIALECTS, help=help_)
     s.add_argument("--verbose", action="store_true", help="show Ray's logs")
     k = sub.add_parser("keys", help="add, revoke or list API keys kept in Redis")
     where = f"the service's Redis (default: REDIS_URL, else {LOCAL_REDIS})"

@@ -14,15 +14,17 @@ metrics.
 import asyncio
 import functools
 import logging
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import grammar_api, openapi, tools
+from deployments import grammar_api, openapi, responses, tools
 from deployments.answers import ApiError, cancel, collect, engine_refusal, error_response, sse
 from deployments.edge import ReleasingStream, check_metrics_token
 from deployments.gate import Gate
@@ -39,6 +41,7 @@ from deployments.protocol import (
     new_id,
     template_options,
 )
+from deployments.responses_protocol import ResponsesRequest, to_chat
 from deployments.service_config import ServiceConfig
 from deployments.telemetry_hub import scraped, setup
 from deployments.tenants import Tenants
@@ -75,6 +78,7 @@ openapi.install(
     {
         "/v1/chat/completions": ChatCompletionRequest,
         "/v1/completions": CompletionRequest,
+        "/v1/responses": ResponsesRequest,
         "/v1/grammars": GrammarRegistration,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
@@ -112,18 +116,22 @@ class Ingress:
         try:
             params = sampling_from(body, lim.max_tokens)
             screen(params, self.config.grammar.limits)
-            return params
         except BadRequest as exc:
             raise ApiError(400, str(exc), exc.param) from exc
+        if isinstance(body, ChatCompletionRequest) and tools.calls_expected(body):
+            # screened here; the replica holds the calls to the model's dialect (replica.py)
+            return replace(params, structured=None)
+        return params
 
-    async def _inputs(self, body: Any) -> tuple[Any, Any, Any]:
-        """(prompt, messages, template options) for the replica, within its size cap; 400 on
-        earlier calls' arguments that are not JSON and on template variables refused."""
+    async def _inputs(self, body: Any) -> tuple[Any, Any, Any, Any]:
+        """(prompt, messages, template options, the answer's tool choice) for the replica,
+        within its size cap; 400 on earlier calls' arguments that are not JSON and on template
+        variables refused."""
         if not isinstance(body, ChatCompletionRequest):
             p = body.prompt
             prompt = p[0] if isinstance(p, list) and isinstance(p[0], str) else p
             await self.gate.check_prompt(prompt)
-            return prompt, None, None
+            return prompt, None, None, None
         try:
             messages = tools.messages_of(body)
             template = template_options(body)
@@ -132,16 +140,21 @@ class Ingress:
         if (listed := tools.prompt_tools(body)) is not None:
             template["tools"] = listed
         await self.gate.check_prompt(messages=messages)
-        return None, messages, template
+        return None, messages, template, tools.answer_of(body)
 
     def _stream(self, obs: RequestObs, inputs: Any, params: Any, index: int, rid: str) -> Any:
-        from dataclasses import replace
-
         if params.seed is not None and index:
             params = replace(params, seed=params.seed + index)
-        prompt, messages, template = inputs
+        prompt, messages, template, answer = inputs
         return self.llm.options(stream=True).generate.remote(
-            prompt, messages, params, obs.tenant, engine_id(rid, index), obs.carrier, template
+            prompt,
+            messages,
+            params,
+            obs.tenant,
+            engine_id(rid, index),
+            obs.carrier,
+            template,
+            answer,
         )
 
     async def _first(self, stream: Any) -> dict[str, Any]:
@@ -164,10 +177,11 @@ class Ingress:
 
     # -- completions ---------------------------------------------------------------------
 
-    async def complete(self, request: Request, chat: bool) -> Response:
-        obs = observe("chat" if chat else "completions", request.headers)
+    async def complete(self, request: Request, kind: str) -> Response:
+        """`kind`: chat, completions or responses (a chat answer, read into a response)."""
+        obs = observe(kind, request.headers)
         try:
-            response = await self._complete(request, chat, obs)
+            response = await self._complete(request, kind, obs)
         except BaseException as err:  # incl. a client gone before the answer
             obs.finish(err.status if isinstance(err, ApiError) else 499, err)
             raise
@@ -175,18 +189,32 @@ class Ingress:
             obs.finish(200)
         return response
 
-    async def _complete(self, request: Request, chat: bool, obs: RequestObs) -> Response:
+    async def _body(self, request: Request, kind: str) -> tuple[Any, Any]:
+        """The request's body, and for a response its own (the body is the chat it means)."""
+        if kind != "responses":
+            bodies: dict[str, type[BaseModel]] = {
+                "chat": ChatCompletionRequest,
+                "completions": CompletionRequest,
+            }
+            return await self.gate.body(request, bodies[kind]), None
+        asked = await self.gate.body(request, ResponsesRequest)
+        try:
+            return to_chat(asked), asked
+        except BadRequest as exc:
+            raise ApiError(400, str(exc), exc.param) from exc
+
+    async def _complete(self, request: Request, kind: str, obs: RequestObs) -> Response:
         tenant = obs.tenant = await self.gate.tenant(request)
         lease = await self.gate.admit(tenant)
         streams: list[Any] = []
         streaming = False  # the stream releases the lease from then on
+        chat = kind != "completions"
         try:
-            body = await self.gate.body(
-                request, ChatCompletionRequest if chat else CompletionRequest
-            )
+            body, asked = await self._body(request, kind)
             self.gate.check_model(body.model)
             params = self._params(tenant, body)
-            rid = new_id("chatcmpl" if chat else "cmpl", client_request_id(request.headers))
+            prefix = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}[kind]
+            rid = new_id(prefix, client_request_id(request.headers))
             obs.describe(body, params, rid, self.config.served_model_name)
             inputs = await self._inputs(body)
             await self.gate.admit(tenant, lease, body.n - 1)
@@ -195,10 +223,14 @@ class Ingress:
             if body.stream:
                 release = functools.partial(self.tenants.release, lease)
                 events = sse(obs, body, rid, chat, streams, firsts, release)
+                if asked is not None:
+                    events = responses.events(asked, rid, events)
                 streaming = True
                 return ReleasingStream(events, release)
             answer = await collect(obs, body, rid, chat, streams, firsts)
             await self.tenants.release(lease, sum(obs.usage.values()))  # see Tenants.release
+            if asked is not None:
+                answer = responses.response_of(asked, rid, answer)
             return JSONResponse(answer)
         except BaseException:  # incl. a client gone before the answer
             cancel(streams)
@@ -263,11 +295,15 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self.complete(request, chat=True)
+        return await self.complete(request, "chat")
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self.complete(request, chat=False)
+        return await self.complete(request, "completions")
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        return await self.complete(request, "responses")
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:

@@ -40,8 +40,8 @@ class RequestObs:
         parent = tel.extract(headers)
         self.parent_trace_id = trace.get_current_span(parent).get_span_context().trace_id
         self.span: Any = None
-        if route in ("chat", "completions"):
-            op = "chat" if route == "chat" else "text_completion"
+        if route in ("chat", "completions", "responses"):  # a response is a chat answer
+            op = "text_completion" if route == "completions" else "chat"
             self.operation = op
             self.span = tel.tracer.start_span(
                 op, context=parent, kind=SpanKind.SERVER, attributes={spans.OPERATION_NAME: op}

@@ -268,6 +268,10 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: thinking ends (its closing marker forced) after this many tokens; false: the
+    # thinking is left out of the answer (it is still generated)
+    thinking_token_budget: Int | None = None
+    include_reasoning: Bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

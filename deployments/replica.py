@@ -27,6 +27,7 @@ from deployments.service_config import ServiceConfig
 from deployments.telemetry_hub import setup
 from services.compiler.local_builds import LocalBuilds
 from services.compiler.service_provider import ServiceGrammarProvider
+from services.engine import chat
 from services.engine.async_llm import AsyncLLM
 from services.engine.engine import LLMEngine
 from services.engine.params import RequestOutput, SamplingParams
@@ -110,6 +111,10 @@ class LLMReplica:
         self.llm = AsyncLLM(self.engine)
         self.token_text = logprobs.TokenText(self.engine.tokenizer)
         self.model_name = cfg.served_model_name
+        llm = cfg.llm
+        self.dialect = chat.resolve(
+            self.engine.tokenizer, llm.tool_call_format, llm.reasoning_format
+        )
 
     async def generate(
         self,
@@ -120,13 +125,28 @@ class LLMReplica:
         request_id: str,
         trace: dict[str, str] | None = None,
         template: dict[str, Any] | None = None,
+        answer: dict[str, Any] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """`template`: chat template options (`add_generation_prompt`, ...)."""
+        """`template`: chat template options (`add_generation_prompt`, `tools`, ...); `answer`
+        (a chat request's): its `tool_choice` and `parallel`. A chat answer is shaped in the
+        model's dialect (services/engine/chat.py); when it may hold thinking or calls, the first
+        delta carries how to split it (`answer`: the tag and the tool names) for the ingress."""
         try:  # off the event loop and the engine thread, after the character cap
             prompt_ids = await self.llm.encode(prompt, messages, template, tenant)
+            turn = None
+            if answer is not None:
+                tools = (template or {}).get("tools")
+                choice, parallel = answer["tool_choice"], answer["parallel"]
+                turn = chat.shape(
+                    self.engine, self.dialect, prompt_ids, params, tools, choice, parallel
+                )
+                params = turn.params
         except ValueError as exc:  # a render that could not run says so (503: try again)
             yield refusal_dict(str(exc)[:300], getattr(exc, "status", 400))
             return
+        split = None
+        if turn is not None and turn.split:
+            split = {"tag": turn.tag, "names": list(turn.parameters), "schema": turn.schema}
         tel = self.tel
         attrs: dict[str, Any] = {
             spans.REQUEST_ID: request_id,
@@ -146,7 +166,10 @@ class LLMReplica:
         try:
             async for out in stream:
                 last = out
-                yield delta_dict(out, self.token_text)
+                delta = delta_dict(out, self.token_text)
+                if split is not None:
+                    delta["answer"], split = split, None
+                yield delta
         except asyncio.CancelledError:  # the client went away: free the slot and the pages
             self.llm.abort(request_id)
             raise

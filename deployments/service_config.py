@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from services.compiler.service import CompileSettings
+from services.dialects import check
 from services.engine.config import EngineConfig
 from services.grammar.backend import MASK_BUDGET_MS
 
@@ -61,6 +62,15 @@ class LLMConfig(Backpressure):
     # field fails at load
     engine: EngineConfig = Field(default_factory=EngineConfig)
     routing: RoutingConfig = RoutingConfig()
+    # the model's tool-call and thinking dialects (services/dialects: auto reads the chat
+    # template; an unknown name fails at load, with the list)
+    tool_call_format: str = "auto"
+    reasoning_format: str = "auto"
+
+    @field_validator("tool_call_format", "reasoning_format")
+    @classmethod
+    def _dialect(cls, name: str, info: ValidationInfo) -> str:
+        return check(name, str(info.field_name))
 
     @field_validator("engine")
     @classmethod

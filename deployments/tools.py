@@ -1,16 +1,18 @@
-"""Tool calling: what each `tool_choice` constrains, and the model's text back into `tool_calls`.
+"""Tool calling and thinking over HTTP: what the ingress checks, and the answer read back.
 
-The calls are written in one format (`services.engine.tool_format`), constrained with an xgrammar
-structural tag whose tags are `call_begin(name)` + the function's `parameters` + `END`:
-- `"none"`: no tools in the prompt, nothing constrained, no parsing (the model cannot call);
-- `"auto"`: free text until the model writes the trigger `<tool_call>`; from there the call is
-  constrained (a triggered tag); with `parallel_tool_calls=false` the answer ends after one call;
-- `"required"`: the answer is calls only, one or more (one when not parallel), so the arguments
-  always parse and follow the schema; a named function: one call of it.
-Arguments are sent as the model wrote them (a JSON object's text), streamed or whole, and
-validated against the function's schema after the fact, like `response_format`'s output. A call
-is sent only once whole: one the answer ended inside (`max_tokens`) is left out and named in
-the warnings, never sent in part. A call identical to an earlier one of the same answer (a
+The replica holds each chat answer to one structural tag in the served model's dialect
+(services/engine/chat.py `shape`: an optional thinking block, then calls as `tool_choice` asks,
+or the response format, or text) and tells the ingress that tag; `AnswerReader` walks the same
+tag to split the text into `reasoning_content`, `content` and `tool_calls`, streamed or whole
+(the same message either way). What each `tool_choice` means:
+- `"none"`: no tools in the prompt, nothing constrained (the model cannot call);
+- `"auto"`: text until the model writes its dialect's call opener, from there the call is
+  constrained; with `parallel_tool_calls=false` the answer ends after one call;
+- `"required"`: calls only, one or more (one when not parallel); a named function: one call.
+A tool with `strict: false` has its arguments parsed, not constrained. Every call's arguments
+are validated against its function's schema after the fact, like `response_format`'s output.
+A call is sent only once whole: one the answer ended inside (`max_tokens`) is left out and named
+in the warnings, never sent in part. A call identical to an earlier one of the same answer (a
 small model's loop) is dropped and ends it.
 """
 
@@ -18,18 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.protocol import ChatCompletionRequest, NamedToolChoice
+from services.dialects import Answer, Splitter
 from services.engine.tool_format import END, TRIGGER, call_begin
 from services.grammar.finish import bounded
 from services.sandbox.validate import SchemaValidator, schema_text
 
-_HEAD = re.compile(r'^\n\{"name": "([A-Za-z0-9_.-]{1,64})", "arguments": ')
-_HEAD_MAX = 96  # the longest head `_HEAD` can match
 VALIDATE_TIMEOUT_S = 1.0
 
 
@@ -56,7 +56,8 @@ def _constrained(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def structural_tag(body: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The constraint for the body's `tool_choice` (None for `"none"`)."""
+    """The calls' constraint in our own format (None for `"none"`): what the ingress screens
+    against the grammar limits before the replica holds the answer to the dialect's."""
     choice = choice_of(body)
     if choice == "none":
         return None
@@ -82,6 +83,14 @@ def structural_tag(body: ChatCompletionRequest) -> dict[str, Any] | None:
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n"}
         fmt |= {"at_least_one": True, "stop_after_first": one}
     return {"type": "structural_tag", "format": fmt}
+
+
+def answer_of(body: ChatCompletionRequest) -> dict[str, Any]:
+    """What the replica shapes a chat answer by (replica.py `generate`)."""
+    choice: Any = body.tool_choice if calls_expected(body) else "none"
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.model_dump()
+    return {"tool_choice": choice or "auto", "parallel": body.parallel_tool_calls}
 
 
 def prompt_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -116,14 +125,6 @@ def messages_of(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _held(buffer: str, marker: str) -> int:
-    """How many trailing characters of `buffer` could begin `marker` (kept back)."""
-    for n in range(min(len(buffer), len(marker) - 1), 0, -1):
-        if marker.startswith(buffer[-n:]):
-            return n
-    return 0
-
-
 @dataclass
 class ToolCall:
     id: str
@@ -136,126 +137,67 @@ class ToolCall:
 
 
 @dataclass
-class CallParser:
-    """Reads a choice's text as it streams: content, and calls as they start and grow.
+class AnswerReader:
+    """Reads a choice's answer as it streams, by walking the structural tag that held it
+    (services/dialects: `Splitter`): `feed` returns OpenAI chat deltas, `reasoning_content`
+    (and `reasoning`, newer clients' name) unless `reasoning` is off, `content`, and each call
+    whole, once its end is written (`tool_calls` entries with `index`, `id`, name and
+    arguments). What the deltas add up to is what `result` gives for the whole answer."""
 
-    `feed` returns OpenAI chat deltas (`content`, or `tool_calls` entries with `index`); a head
-    the grammar would not have produced (an unconstrained choice) stays text."""
-
+    tag: dict[str, Any]
+    names: list[str]
+    reasoning: bool = True  # include_reasoning
     calls: list[ToolCall] = field(default_factory=list)
     content: str = ""
+    thinking: str = ""
+    thinking_tokens: int = 0  # tokens of the deltas that wrote thinking
     repeated: bool = False  # the model called again exactly as before: the answer ends there
     cut: list[str] = field(default_factory=list)  # calls the text ended inside: left out
-    _buffer: str = ""
-    _state: str = "text"  # text | head | args | done
-    _pending: str = ""  # whitespace held back
-    _held_calls: list[dict[str, Any]] = field(default_factory=list)  # the open call's deltas
+    _splitter: Splitter | None = None
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        if self._state == "done":
+    def __post_init__(self) -> None:
+        self._splitter = Splitter(self.tag, self.names)
+
+    def feed(self, text: str, tokens: int = 0) -> list[dict[str, Any]]:
+        if self.repeated or self._splitter is None:
             return []
-        self._buffer += text
-        deltas: list[dict[str, Any]] = []
-        while True:
-            before = (self._state, len(self._buffer))
-            deltas += self._step()
-            if (self._state, len(self._buffer)) == before:
-                return deltas
+        new = self._splitter.feed(text)
+        if new.reasoning:
+            self.thinking_tokens += tokens
+        return self._deltas(new)
 
     def finish(self) -> list[dict[str, Any]]:
-        """What is left: text; a call the text ended inside is dropped (named in `cut`)."""
-        rest, self._buffer = self._buffer, ""
-        if self._state == "done":
+        """The rest; a call the text ended inside is dropped (named in `cut`)."""
+        if self.repeated or self._splitter is None:
             return []
-        if self._state == "args":
-            self.cut.append(self.calls.pop().name)
-            self._held_calls, self._state = [], "done"
-            return []
-        if self._state == "head" and _could_be_head(rest):  # ended inside a call's head
-            self.cut.append("a call")
-            self._state = "done"
-            return []
-        if self._state == "head":
-            rest = TRIGGER + rest
-        self._state = "text"
-        return self._text(rest, final=True)
+        new = self._splitter.finish()
+        self.cut, self._splitter = list(new.cut), None
+        return self._deltas(new)
 
     def result(self) -> tuple[str | None, list[ToolCall]]:
-        """Once the text is all fed: the content (None when only calls) and the calls."""
+        """Once the text is all fed: the content (None when empty) and the calls."""
         self.finish()
-        return (self.content.strip() or None), self.calls
+        return (self.content or None), self.calls
 
-    def _step(self) -> list[dict[str, Any]]:
-        if self._state == "text":
-            before, found = self._take_until(TRIGGER)
-            if found:
-                self._state = "head"
-            return self._text(before)
-        buf = self._buffer
-        if self._state == "head":
-            match = _HEAD.match(buf)
-            if match is None:
-                if len(buf) >= _HEAD_MAX or not _could_be_head(buf):
-                    self._state, self._buffer = "text", ""
-                    return self._text(TRIGGER + buf)
-                return []
-            call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", match.group(1))
-            self.calls.append(call)
-            self._state, self._buffer = "args", buf[match.end() :]
-            fn = {"name": call.name, "arguments": ""}
-            entry = {"index": len(self.calls) - 1, "id": call.id, "type": "function"}
-            return self._out([{"tool_calls": [{**entry, "function": fn}]}])
-        before, found = self._take_until(END)
-        out = self._args(before)
-        if found:
-            self._state = "text"
-            out += self._complete()
+    def _deltas(self, new: Answer) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if new.reasoning:
+            self.thinking += new.reasoning
+            if self.reasoning:
+                out.append({"reasoning_content": new.reasoning, "reasoning": new.reasoning})
+        if new.content:
+            self.content += new.content
+            out.append({"content": new.content})
+        for call in new.calls:
+            made = ToolCall(f"call_{uuid.uuid4().hex[:24]}", call.name, call.arguments)
+            if any(_same(made, c) for c in self.calls):  # a small model's loop: end here
+                self.repeated = True
+                break
+            self.calls.append(made)
+            entry = {"index": len(self.calls) - 1, "id": made.id, "type": "function"}
+            fn = {"name": made.name, "arguments": made.arguments}
+            out.append({"tool_calls": [{**entry, "function": fn}]})
         return out
-
-    def _take_until(self, marker: str) -> tuple[str, bool]:
-        """The buffer's text before `marker` (consumed with it), and whether it was there;
-        without it, all but a tail that could begin it."""
-        buf = self._buffer
-        at = buf.find(marker)
-        if at >= 0:
-            self._buffer = buf[at + len(marker) :]
-            return buf[:at], True
-        keep = _held(buf, marker)
-        self._buffer = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep], False
-
-    def _complete(self) -> list[dict[str, Any]]:
-        """A call is sent once whole, unless it repeats an earlier one: a small model's loop
-        (it would run to max_tokens and end cut); it is dropped and the answer ends."""
-        held, self._held_calls = self._held_calls, []
-        last = self.calls[-1]
-        if any(_same(last, c) for c in self.calls[:-1]):
-            self.calls.pop()
-            self.repeated, self._state, self._buffer = True, "done", ""
-            return []
-        return held
-
-    def _out(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        self._held_calls += deltas  # until the call is whole (_complete)
-        return []
-
-    def _args(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        self.calls[-1].arguments += text
-        entry = {"index": len(self.calls) - 1, "function": {"arguments": text}}
-        return self._out([{"tool_calls": [entry]}])
-
-    def _text(self, text: str, final: bool = False) -> list[dict[str, Any]]:
-        """Content; whitespace alone (between calls) is held until real text follows."""
-        self._pending += text
-        if not self._pending.strip() and not final:
-            return []
-        out, self._pending = self._pending, ""
-        if not out.strip():  # only whitespace at the very end: nothing to say
-            return []
-        self.content += out
-        return [{"content": out}]
 
 
 def _same(a: ToolCall, b: ToolCall) -> bool:
@@ -267,30 +209,15 @@ def _same(a: ToolCall, b: ToolCall) -> bool:
         return a.arguments == b.arguments
 
 
-def _could_be_head(buf: str) -> bool:
-    """Whether `buf` may still grow into a call's head (before `_HEAD` can match)."""
-    probe = '\n{"name": "'
-    if len(buf) <= len(probe):
-        return probe.startswith(buf)
-    return buf.startswith(probe)
-
-
-def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole choice: its content (None when only calls) and its calls."""
-    parser = CallParser()
-    parser.feed(text)
-    return parser.result()
-
-
-def cut_warnings(parser: CallParser) -> list[str]:
+def cut_warnings(reader: AnswerReader) -> list[str]:
     return [
         f"tool_calls: the answer ended inside {_called(name)} (max_tokens); it was left out"
-        for name in parser.cut
+        for name in reader.cut
     ]
 
 
 def _called(name: str) -> str:
-    return name if name == "a call" else f"a call of {name}"
+    return "a call" if name in ("", "a call") else f"a call of {name}"
 
 
 def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
@@ -299,19 +226,28 @@ def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
 
 
 async def validate(
-    body: ChatCompletionRequest, calls: list[ToolCall], tenant: str = "default"
+    body: ChatCompletionRequest,
+    calls: list[ToolCall],
+    tenant: str = "default",
+    content: tuple[dict[str, Any], str] | None = None,
 ) -> tuple[bool | None, list[str]]:
-    """Each call's arguments against its function's `parameters`, in a killable worker under a
-    time bound (the schema is the tenant's: services/sandbox/validate.py says why a thread would
-    not do). None: there was no call."""
-    if not calls:
-        return None, []
+    """Each call's arguments against its function's `parameters`, and `content` (a response
+    format's schema after thinking, and the answer's content) against its schema, in a killable
+    worker under a time bound (the schema is the tenant's: services/sandbox/validate.py says why
+    a thread would not do). None: there was nothing to check."""
     schemas = {t.function.name: _schema(t.function.parameters) for t in body.tools or ()}
-    checks = [(schema_text(schemas[c.name]), c.arguments) for c in calls]
+    checks = [(schema_text(schemas.get(c.name, {})), c.arguments) for c in calls]
+    where = [f"tool_calls[{c.name}]" for c in calls]
+    if content is not None:
+        checks.append((schema_text(content[0]), content[1]))
+        where.append("content")
+    if not checks:
+        return None, []
     verdicts = await asyncio.to_thread(_validator().check, checks, tenant)
     problems = [
-        f"tool_calls[{call.name}]: " + (why or "").replace("output failed", "arguments failed")
-        for call, (ok, why) in zip(calls, verdicts, strict=True)
+        f"{at}: "
+        + (why or "").replace("output failed", "failed" if at == "content" else "arguments failed")
+        for at, (ok, why) in zip(where, verdicts, strict=True)
         if not ok
     ]
     return not problems, [p[:300] for p in problems]

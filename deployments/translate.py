@@ -209,6 +209,7 @@ def sampling_from(body: Any, max_tokens_cap: int) -> SamplingParams:
             logprobs=body.logprobs_wanted(),
             fit_max_tokens=requested is None,
             cache_salt=body.cache_salt,
+            thinking_token_budget=getattr(body, "thinking_token_budget", None),
         )
     except BadRequest:
         raise

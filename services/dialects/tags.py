@@ -3,6 +3,7 @@ then text and/or calls as `tool_choice` asks, or the response format's schema.""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -32,20 +33,49 @@ def tag_for(
         max_whitespace_cnt=max_whitespace_cnt,  # a run of it in arguments is a small model's loop
     )
     out: dict[str, Any] = json.loads(tag.model_dump_json(exclude_none=True))
+    if tool_choice == "required":
+        out["format"] = _calls_only(out["format"])
     return out
+
+
+def _calls_only(fmt: dict[str, Any]) -> dict[str, Any]:
+    """`required` as calls only: xgrammar's styles that trigger calls inside free text keep the
+    text allowed around them when one call is required; here the answer is its calls (after any
+    thinking), as OpenAI's `required` reads and a parser can rely on."""
+    if fmt.get("type") == "sequence" and fmt.get("elements"):
+        return {**fmt, "elements": [*fmt["elements"][:-1], _calls_only(fmt["elements"][-1])]}
+    if fmt.get("type") != "triggered_tags":
+        return fmt
+    one = fmt.get("stop_after_first", False)
+    return {
+        "type": "tags_with_separator",
+        "tags": fmt["tags"],
+        "separator": "\n",
+        "at_least_one": True,
+        "stop_after_first": one,
+    }
 
 
 def _thinking(dialect: str, mode: str) -> dict[str, Any] | None:
     """The dialect's thinking block alone (what `mode` puts before its answer), or None where
     it has none apart (`none`, `hermes`, `llama`; harmony weaves it into its channels)."""
+    found = _thinking_text(dialect, mode)
+    return None if found is None else json.loads(found)  # a copy: the caller's to nest
+
+
+@functools.cache  # two of xgrammar's tags built per dialect and mode, not per request
+def _thinking_text(dialect: str, mode: str) -> str | None:
     if dialect in ("none", "hermes") or mode == "disabled":
         return None
     on = tag_for(dialect, [], "auto", True, mode)["format"]
     off = tag_for(dialect, [], "auto", True, "disabled")["format"]
     elements = on.get("elements", [])
-    return elements[0] if on.get("type") == "sequence" and elements[1:] == [off] else None
+    return (
+        json.dumps(elements[0]) if on.get("type") == "sequence" and elements[1:] == [off] else None
+    )
 
 
+@functools.cache
 def markers(dialect: str) -> tuple[str, str] | None:
     """The dialect's thinking block's opening and closing markers (`<think>`, `</think>`; for
     harmony, its analysis channel's, woven among its other channels)."""

@@ -80,6 +80,7 @@ class Turn:
     tag: dict[str, Any]
     schema: dict[str, Any] | None
     parameters: dict[str, Any]  # each tool's arguments schema, as the caller gave it
+    split: bool = True  # the answer may hold thinking or calls (else it is all content)
 
 
 def plan(
@@ -92,11 +93,29 @@ def plan(
     parallel_tool_calls: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Turn:
+    """The conversation rendered with its tools, then shaped (`shape`)."""
     calls = bool(tools) and tool_choice != "none"
     options = dict(chat_template_kwargs or {})
     if calls:
         options["tools"] = tools
     prompt = engine.apply_chat_template(messages, **options)
+    return shape(engine, dialect, prompt, params, tools, tool_choice, parallel_tool_calls)
+
+
+def shape(
+    engine: Any,
+    dialect: Dialect,
+    prompt: list[int],
+    params: SamplingParams,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = "auto",
+    parallel_tool_calls: bool = True,
+) -> Turn:
+    """A rendered prompt's turn: its answer held to one structural tag in the dialect (the
+    thinking block as the prompt's end leaves it, then calls, the response format's schema or
+    text), its thinking budget given the block's markers. The replica shapes each chat request
+    this way after rendering it; `LLM.chat` does both."""
+    calls = bool(tools) and tool_choice != "none"
     tail = engine.tokenizer.decode(prompt[-_TAIL_TOKENS:])
     mode = reasoning_mode(tail, dialect.reasoning, dialect.thinks)
     so = params.structured
@@ -130,7 +149,8 @@ def plan(
     listed = [t["function"] for t in tools or () if calls]
     parameters = {f["name"]: f.get("parameters") or {"type": "object"} for f in listed}
     checked = schema if params.structured is not so else None
-    return Turn(prompt, params, tag, checked, parameters)
+    split_needed = calls or mode != "disabled"
+    return Turn(prompt, params, tag, checked, parameters, split_needed)
 
 
 def _bounded(tool: dict[str, Any]) -> dict[str, Any]:

@@ -114,7 +114,7 @@ def chat(stack, key: str, content: str, **extra: Any) -> dict[str, Any]:
         "temperature": 0,
         **extra,
     }
-    response = asyncio.run(stack.ingress.complete(http_request(body, key, **headers), chat=True))
+    response = asyncio.run(stack.ingress.complete(http_request(body, key, **headers), "chat"))
     return json.loads(response.body)
 
 

@@ -12,6 +12,7 @@ import xgrammar as xgr
 from deployments import tools
 from deployments.protocol import ChatCompletionRequest
 from deployments.translate import sampling_from
+from services.dialects import tag_for
 from services.engine import tool_format
 
 TOOLS = [
@@ -102,8 +103,22 @@ def test_bad_tool_requests_are_refused(kw, message):
         body(**kw)
 
 
+NAMES = ["get_weather", "now"]
+
+
+def reader(choice="auto") -> tools.AnswerReader:
+    """What the ingress reads a Hermes-dialect answer with (the replica's tag for it)."""
+    return tools.AnswerReader(tag_for("hermes", TOOLS, choice, True), NAMES)
+
+
+def parse(text: str, choice="auto"):
+    r = reader(choice)
+    r.feed(text)
+    return r.result()
+
+
 def test_whole_text_parses_into_content_and_calls():
-    content, calls = tools.parse("Sure. " + WEATHER + "\n" + NOW)
+    content, calls = parse("Sure. " + WEATHER + "\n" + NOW)
     assert content == "Sure."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}),
@@ -112,39 +127,36 @@ def test_whole_text_parses_into_content_and_calls():
     assert len({c.id for c in calls}) == 2
     assert tools.finish_reason("stop", calls) == "tool_calls"
     assert tools.finish_reason("length", calls) == "length"
-    assert tools.parse("no calls here <tool_call> but text")[1] == []
+    assert parse("no calls here, just text")[1] == []
 
 
 def test_streamed_deltas_reassemble_to_the_whole_in_any_chunking():
-    text = "Ok. " + WEATHER.replace("Paris", 'Pa}\\n"ris') + "\n" + NOW
-    _, whole = tools.parse(text)
+    text = "Ok. " + WEATHER.replace("Paris", 'Pa}\\n\\"ris </tool_call>') + "\n" + NOW
+    _, whole = parse(text)
+    assert len(whole) == 2
     rng = random.Random(0)
     for _ in range(100):
-        parser, deltas, i = tools.CallParser(), [], 0
+        r, deltas, i = reader(), [], 0
         while i < len(text):
             k = rng.randint(1, 9)
-            deltas += parser.feed(text[i : i + k])
+            deltas += r.feed(text[i : i + k])
             i += k
-        deltas += parser.finish()
+        deltas += r.finish()
         content = "".join(d.get("content", "") for d in deltas)
-        args: dict[int, str] = {}
-        names = {}
-        for d in deltas:
-            for entry in d.get("tool_calls", ()):
-                args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
-                if "id" in entry:
-                    names[entry["index"]] = entry["function"]["name"]
-        assert content.strip() == "Ok."
-        assert [(names[k], args[k]) for k in sorted(args)] == [(c.name, c.arguments) for c in whole]
+        sent = [e for d in deltas for e in d.get("tool_calls", ())]
+        assert content == "Ok."
+        assert [(e["function"]["name"], e["function"]["arguments"]) for e in sent] == [
+            (c.name, c.arguments) for c in whole
+        ]
 
 
 def test_a_repeated_call_ends_the_answer_and_is_dropped():
-    parser = tools.CallParser()
-    first = parser.feed(WEATHER + "\n")
-    again = parser.feed(WEATHER + "\n" + WEATHER)
+    r = reader()
+    first = r.feed(WEATHER + "\n")
+    again = r.feed(WEATHER + "\n" + WEATHER)
     assert first and not again  # the repeat was held back, never sent
-    assert parser.repeated and len(parser.calls) == 1
-    other = tools.CallParser()
+    assert r.repeated and len(r.calls) == 1
+    other = reader()
     other.feed(WEATHER + "\n" + tool_format.render_call("get_weather", {"city": "Rome"}))
     assert not other.repeated and len(other.calls) == 2
 
@@ -200,34 +212,61 @@ def test_a_call_the_answer_ended_inside_is_never_sent():
     """`max_tokens` cut the second call: the first comes out whole, the cut one not at all,
     streamed or whole, and it is named in the warnings."""
     text = WEATHER + "\n" + tool_format.call_begin("get_weather") + '{"city": "Os'
-    content, calls = tools.parse(text)
+    content, calls = parse(text, "required")
     assert content is None and [(c.name, c.arguments) for c in calls] == [
         ("get_weather", '{"city": "Paris"}')
     ]
-    parser, deltas = tools.CallParser(), []
+    r, deltas = reader("required"), []
     for ch in text:
-        deltas += parser.feed(ch)
-    deltas += parser.finish()
+        deltas += r.feed(ch)
+    deltas += r.finish()
     sent = [e for d in deltas for e in d.get("tool_calls", ())]
     assert {e["index"] for e in sent} == {0}  # nothing of the cut call, not even its name
     assert "".join(e["function"]["arguments"] for e in sent) == '{"city": "Paris"}'
-    assert parser.cut == ["get_weather"]
-    assert "ended inside a call of get_weather" in tools.cut_warnings(parser)[0]
+    assert r.cut == ["get_weather"]
+    assert "ended inside a call of get_weather" in tools.cut_warnings(r)[0]
 
 
 def test_an_answer_ended_inside_a_calls_head_has_no_call_and_no_head_text():
-    content, calls = tools.parse("Sure. " + tool_format.call_begin("get_weather")[:20])
+    content, calls = parse("Sure. " + tool_format.call_begin("get_weather")[:20])
     assert content == "Sure." and calls == []
-    parser = tools.CallParser()
-    parser.feed(tool_format.TRIGGER + '\n{"na')
-    assert parser.finish() == [] and parser.cut == ["a call"]
+    r = reader()
+    r.feed(tool_format.TRIGGER + '\n{"na')
+    assert r.finish() == [] and r.content == ""
 
 
 def test_a_call_is_sent_only_once_whole():
-    parser = tools.CallParser()
-    head = parser.feed(WEATHER[: len(WEATHER) - 20])
+    r = reader()
+    head = r.feed(WEATHER[: len(WEATHER) - 20])
     assert not [d for d in head if "tool_calls" in d]  # its head and arguments so far held
-    rest = parser.feed(WEATHER[len(WEATHER) - 20 :])
-    assert [e["function"]["name"] for d in rest for e in d.get("tool_calls", ()) if "id" in e] == [
-        "get_weather"
-    ]
+    rest = r.feed(WEATHER[len(WEATHER) - 20 :])
+    assert [e["function"]["name"] for d in rest for e in d.get("tool_calls", ())] == ["get_weather"]
+
+
+def test_thinking_is_split_out_and_can_be_left_out():
+    """A Qwen3-dialect answer: thinking as `reasoning_content` (and `reasoning`), the call whole;
+    with include_reasoning off, the thinking is not sent."""
+    tag = tag_for("qwen_3", TOOLS, "auto", True, "enabled")
+    text = "Oslo, so a call.</think>\n\n" + WEATHER
+    for shown in (True, False):
+        r = tools.AnswerReader(tag, NAMES, reasoning=shown)
+        deltas = [d for ch in text for d in r.feed(ch, 1)] + r.finish()
+        said = "".join(d.get("reasoning_content", "") for d in deltas)
+        assert said == ("Oslo, so a call." if shown else "")
+        assert r.thinking == "Oslo, so a call." and 0 < r.thinking_tokens < len(text)
+        assert [c.name for c in r.calls] == ["get_weather"] and r.content == ""
+
+
+def test_an_output_that_opens_thinking_twice_is_split_cleanly():
+    """A model (unconstrained: no tools, no schema) writes the opening marker again inside its
+    thinking and after it: one reasoning, the rest content, streamed == whole."""
+    tag = tag_for("qwen_3", [], "auto", True, "auto")
+    text = "<think>a <think> b</think>\n\nc <think> d</think> e"
+    whole = tools.AnswerReader(tag, [])
+    whole.feed(text)
+    content, calls = whole.result()
+    r = tools.AnswerReader(tag, [])
+    deltas = [d for ch in text for d in r.feed(ch)] + r.finish()
+    assert calls == [] and whole.thinking and content
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole.thinking
+    assert "".join(d.get("content", "") for d in deltas) == content
