@@ -14,7 +14,11 @@ Run in the order schema, thinking+schema, tools, tools, thinking+schema, schema;
 each (best of its two runs) and its ratio to `schema` (target >= 0.9: the block's masks and the
 tag cost nothing more than JSON's). Writes `benchmarks/results/reasoning.json`.
 
-    .venv/bin/python benchmarks/reasoning.py [--batch 8] [--max-tokens 96] [--budget 32]
+`--http` runs the same workloads over HTTP instead, as users send them: `structserve serve` on
+the same folder, the batch sent at once through the real `openai` client (the ingress then also
+reads each answer back into reasoning, content and calls). Writes `reasoning_http.json`.
+
+    .venv/bin/python benchmarks/reasoning.py [--batch 8] [--max-tokens 96] [--budget 32] [--http]
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +112,7 @@ def workload(name: str, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     return {**kw, "chat_template_kwargs": {"enable_thinking": False}}, SamplingParams(**plain)
 
 
-def run(llm: LLM, name: str, args: argparse.Namespace) -> dict[str, Any]:
+def run(llm: Any, name: str, args: argparse.Namespace) -> dict[str, Any]:
     kw, params = workload(name, args)
     convs = [
         [{"role": "user", "content": f"Give facts about {CITIES[i % len(CITIES)]} as JSON."}]
@@ -124,16 +132,71 @@ def run(llm: LLM, name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class Served:
+    """`structserve serve` on `folder`, called through the `openai` client like `LLM.chat`."""
+
+    KEY = "sk-reasoning-bench"
+
+    def __init__(self, folder: str, port: int) -> None:
+        import openai
+
+        cmd = [sys.executable, "-m", "deployments.cli", "serve", "--model", folder]
+        cmd += ["--port", str(port), "--api-key", self.KEY]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for line in self.proc.stdout or ():
+            print(f"  {line.rstrip()}")
+            if "ready at" in line:
+                break
+        base = f"http://127.0.0.1:{port}/v1"
+        self.client = openai.OpenAI(base_url=base, api_key=self.KEY, max_retries=0)
+        self.model = self.client.models.list().data[0].id
+
+    def chat(self, convs: list[list[dict]], params: SamplingParams, **kw: Any) -> list[Any]:
+        """The batch at once, one client thread per conversation."""
+        body: dict[str, Any] = {"model": self.model, "temperature": 0}
+        body |= {"max_tokens": params.max_tokens}
+        extra: dict[str, Any] = {}
+        if params.structured is not None:
+            schema = {"name": "facts", "schema": params.structured.json_schema}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        if params.thinking_token_budget is not None:
+            extra["thinking_token_budget"] = params.thinking_token_budget
+        if "chat_template_kwargs" in kw:
+            extra["chat_template_kwargs"] = kw.pop("chat_template_kwargs")
+        body |= kw
+
+        def one(messages: list[dict]) -> Any:
+            got = self.client.chat.completions.create(messages=messages, extra_body=extra, **body)
+            message = got.choices[0].message
+            return SimpleNamespace(
+                token_ids=range(got.usage.completion_tokens),
+                reasoning_text=(message.model_extra or {}).get("reasoning_content"),
+                tool_calls=message.tool_calls,
+                finish_reason="stop" if got.choices[0].finish_reason != "length" else "length",
+            )
+
+        with ThreadPoolExecutor(len(convs)) as pool:
+            return list(pool.map(one, convs))
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--http", action="store_true", help="through `structserve serve`")
+    parser.add_argument("--port", type=int, default=8031)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     try:
-        llm = LLM(folder_with_template(tmp))
-        print(f"dialect: {llm.dialect}")
+        folder = folder_with_template(tmp)
+        llm: Any = Served(folder, args.port) if args.http else LLM(folder)
+        if not args.http:
+            print(f"dialect: {llm.dialect}")
         run(llm, "schema", args)  # warm: grammars compiled, caches filled
         order = ["schema", "thinking+schema", "tools", "tools", "thinking+schema", "schema"]
         runs: dict[str, list[dict[str, Any]]] = {}
@@ -147,8 +210,12 @@ def main() -> None:
             print(f"{k:16s} best {best[k]:7.1f} tok/s   vs schema {ratios[k]:.2f}x")
         RESULTS.mkdir(exist_ok=True)
         out = {"args": vars(args), "runs": runs, "best": best, "ratios": ratios}
-        (RESULTS / "reasoning.json").write_text(json.dumps(out, indent=2))
-        llm.engine.grammars.shutdown()
+        name = "reasoning_http.json" if args.http else "reasoning.json"
+        (RESULTS / name).write_text(json.dumps(out, indent=2))
+        if args.http:
+            llm.close()
+        else:
+            llm.engine.grammars.shutdown()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
