@@ -112,6 +112,8 @@ def engine_refusal(first: dict[str, Any]) -> ApiError:
     message = body_message(first["warnings"][-1]) if first["warnings"] else "request refused"
     status = first["error_status"] or 400
     field = message.split(":")[0]
+    if status == 503:  # the engine restarting, a render that could not run: soon, again
+        return ApiError(503, message, field, retry_after=5)
     if status != 429:
         return ApiError(status, message, field)
     reason = "kv_tier_full" if field.startswith("kv_policy.") else "grammar_busy"
@@ -166,6 +168,8 @@ async def collect(
     except Exception as exc:
         cancel(streams)
         raise ApiError(503, "the model replica failed mid-request; try again") from exc
+    if down := [r for r in results if r["error_status"] == 503]:  # an engine went down
+        raise ApiError(503, body_message(down[0]["warnings"][-1]), retry_after=5)
     choices = []
     thinking = 0
     for i, r in enumerate(results):
@@ -314,6 +318,9 @@ async def sse(
                 err = error_body("the model replica failed mid-stream", "server_error")
                 yield "data: " + json.dumps(err) + "\n\n"
             else:
+                if item["finished"] and item["error_status"] == 503:  # its engine went down
+                    err = error_body(item["warnings"][-1], "service_unavailable")
+                    yield "data: " + json.dumps(err) + "\n\n"
                 made[index] = item["completion_tokens"]
                 last, events = await chunks(index, item)
                 if last["finished"]:

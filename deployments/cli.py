@@ -68,6 +68,8 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
     for name in ("tool_call_format", "reasoning_format"):
         if getattr(args, name, None):
             llm[name] = getattr(args, name)
+    if getattr(args, "engine_process", None) is not None:
+        llm["engine_process"] = args.engine_process
     raw["llm"] = llm
     ingress = dict(raw.get("ingress", {}))
     ingress.update({"port": args.port or ingress.get("port", 8000), "host": args.host})
@@ -166,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     for what in ("tool-call", "reasoning"):
         help_ = f"the model's {what} dialect (default auto: read from its chat template)"
         s.add_argument(f"--{what}-format", choices=DIALECTS, help=help_)
+    s.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each replica's engine core in a process of its own (llm.engine_process)",
+    )
     s.add_argument("--verbose", action="store_true", help="show Ray's logs")
     k = sub.add_parser("keys", help="add, revoke or list API keys kept in Redis")
     where = f"the service's Redis (default: REDIS_URL, else {LOCAL_REDIS})"

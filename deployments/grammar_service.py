@@ -168,13 +168,16 @@ class RemoteVerdicts:
     Called from the provider's resolver threads, never from the replica's event loop.
     """
 
-    def __init__(self, handle: Any, tokenizer_info: Any) -> None:
+    def __init__(self, handle: Any, tokenizer_info: Any | None = None) -> None:
+        """Without `tokenizer_info` it answers an engine core's calls (core_client.py), which
+        computes keys itself."""
         from services.compiler.service import GrammarKeys
 
         self.handle = handle
-        self.keys = GrammarKeys(tokenizer_info)
+        self.keys = GrammarKeys(tokenizer_info) if tokenizer_info is not None else None
 
     def key(self, spec: GrammarSpec, scope: str = "shared") -> str:
+        assert self.keys is not None, "made without the tokenizer's info"
         return self.keys.key(spec, scope)
 
     def verdict(

@@ -277,10 +277,12 @@ class Ingress:
     async def healthz(self) -> JSONResponse:
         try:
             grammar = await asyncio.wait_for(self.grammar.health.remote(), timeout=5)
-            await asyncio.wait_for(self.llm.check_health.remote(), timeout=5)
+            llm = await asyncio.wait_for(self.llm.check_health.remote(), timeout=5)
         except Exception as exc:  # its text names actors and addresses: for the log only
             log.warning("health check failed: %s", exc)
             return JSONResponse({"status": "unhealthy"}, status_code=503)
+        if (llm or {}).get("engine", "ready") != "ready":  # its core starting again after a crash
+            return JSONResponse({"status": llm["engine"]}, status_code=503)
         status = "ok" if grammar["redis"] is not False else "degraded"
         return JSONResponse({"status": status, "redis": grammar["redis"]})
 

@@ -28,7 +28,9 @@ from deployments.telemetry_hub import setup
 from services.compiler.local_builds import LocalBuilds
 from services.compiler.service_provider import ServiceGrammarProvider
 from services.engine import chat
-from services.engine.async_llm import AsyncLLM
+from services.engine.async_llm import AsyncLLM, EngineDeadError
+from services.engine.config import EngineConfig
+from services.engine.core_client import CoreClient
 from services.engine.engine import LLMEngine
 from services.engine.params import RequestOutput, SamplingParams
 from services.engine.stats import EngineStats
@@ -37,6 +39,7 @@ from services.grammar.provider import GrammarProvider, ProviderFactory
 from services.telemetry import spans
 
 log = logging.getLogger(__name__)
+RESTART_WAIT_S = 10.0  # a request arriving while the core restarts waits this long, then 503
 
 
 def refusal_dict(message: str, status: int) -> dict[str, Any]:
@@ -91,6 +94,22 @@ def service_provider(cfg: ServiceConfig, grammar_handle: Any) -> ProviderFactory
     return make
 
 
+def engine_client(cfg: ServiceConfig, engine: EngineConfig, grammar_handle: Any) -> Any:
+    """The engine in a core process of its own (`llm.engine_process`), or on a thread here."""
+    if not cfg.llm.engine_process:
+        provider = None
+        if grammar_handle is not None:
+            provider = service_provider(cfg, grammar_handle)
+        return AsyncLLM(LLMEngine(engine, grammar_provider=provider))
+    grammar = calls = None
+    if grammar_handle is not None:  # the core asks this process, which holds the handle
+        g = cfg.grammar
+        share, budget = g.share_inline_cache, g.mask_budget_ms
+        grammar = {"share_inline": share, "limits": g.limits, "mask_budget_ms": budget}
+        calls = RemoteVerdicts(grammar_handle)
+    return CoreClient(engine, grammar, calls, timeout_s=cfg.llm.engine_core_timeout_s)
+
+
 class LLMReplica:
     def __init__(
         self, config: dict[str, Any], grammar_handle: Any | None = None, hub: Any | None = None
@@ -103,18 +122,14 @@ class LLMReplica:
         engine = replace(
             cfg.llm.engine, model=cfg.model, tenant_weights=weights, mask_budget_ms=budget
         )
-        provider = None
-        if grammar_handle is not None:
-            provider = service_provider(cfg, grammar_handle)
-        self.engine = LLMEngine(engine, grammar_provider=provider)
-        self.stats = EngineStats(self.engine, self.tel)
-        self.llm = AsyncLLM(self.engine)
-        self.token_text = logprobs.TokenText(self.engine.tokenizer)
+        self.llm = engine_client(cfg, engine, grammar_handle)
+        # in its own process the core's numbers do not reach this one: request timings only
+        self.stats = EngineStats(getattr(self.llm, "engine", None), self.tel)
+        self.front = front = self.llm.front  # tokenizer, template, limits
+        self.token_text = logprobs.TokenText(front.tokenizer)
         self.model_name = cfg.served_model_name
         llm = cfg.llm
-        self.dialect = chat.resolve(
-            self.engine.tokenizer, llm.tool_call_format, llm.reasoning_format
-        )
+        self.dialect = chat.resolve(front.tokenizer, llm.tool_call_format, llm.reasoning_format)
 
     async def generate(
         self,
@@ -138,10 +153,11 @@ class LLMReplica:
                 tools = (template or {}).get("tools")
                 choice, parallel = answer["tool_choice"], answer["parallel"]
                 turn = chat.shape(
-                    self.engine, self.dialect, prompt_ids, params, tools, choice, parallel
+                    self.front, self.dialect, prompt_ids, params, tools, choice, parallel
                 )
                 params = turn.params
-        except ValueError as exc:  # a render that could not run says so (503: try again)
+            await self.llm.wait_ready(RESTART_WAIT_S)  # a core restarting: within reason
+        except (ValueError, EngineDeadError) as exc:  # a render that could not run: 503 too
             yield refusal_dict(str(exc)[:300], getattr(exc, "status", 400))
             return
         split = None
@@ -170,6 +186,12 @@ class LLMReplica:
                 if split is not None:
                     delta["answer"], split = split, None
                 yield delta
+        except EngineDeadError as exc:  # the core died under it: a last delta saying so
+            end = refusal_dict(str(exc)[:300], 503)
+            if last is not None:
+                end["prompt_tokens"] = len(last.prompt_token_ids)
+                end["completion_tokens"] = len(last.token_ids)
+            yield end
         except asyncio.CancelledError:  # the client went away: free the slot and the pages
             self.llm.abort(request_id)
             raise
@@ -213,26 +235,29 @@ class LLMReplica:
             ids = await self.llm.encode(prompt, messages, template, tenant, route=True)
         except ValueError as exc:
             return {"error": str(exc)[:300], "status": getattr(exc, "status", 400)}
-        limit = self.engine.max_model_len
+        limit = self.front.max_model_len
         return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
     async def detokenize(self, tokens: list[int]) -> dict[str, Any]:
-        vocab = self.engine.runner.vocab_size
+        vocab = self.front.limits.vocab_size
         if bad := [t for t in tokens if not 0 <= t < vocab]:
             message = f"tokens: {bad[0]} is outside the vocabulary (0..{vocab - 1})"
             return {"error": message, "status": 400}
-        text = await asyncio.to_thread(self.engine.tokenizer.decode, tokens)
+        text = await asyncio.to_thread(self.front.tokenizer.decode, tokens)
         return {"prompt": text}
 
     async def limits(self) -> dict[str, int]:
         """What the ingress checks before a prompt crosses to a replica (deployments/gate.py)."""
         return {
-            "max_prompt_chars": self.engine.limits.max_prompt_chars,
-            "max_model_len": self.engine.max_model_len,
+            "max_prompt_chars": self.front.limits.max_prompt_chars,
+            "max_model_len": self.front.max_model_len,
         }
 
-    async def check_health(self) -> None:
+    async def check_health(self) -> dict[str, str]:
+        """Raises when the engine cannot serve (Ray restarts the replica); a core restarting
+        after a crash is not that: `engine` says "restarting" for /healthz."""
         self.llm.check_alive()
+        return {"engine": getattr(self.llm, "state", "ready")}
 
     def __del__(self) -> None:
         stats = getattr(self, "stats", None)

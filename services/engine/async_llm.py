@@ -7,38 +7,30 @@ stream` yields `RequestOutput`s whose `delta_text`/`delta_token_ids` hold what i
 The engine thread admits each request inside a copy of the caller's `contextvars` context, so
 code on the admission path (a grammar provider starting a trace span) sees the caller's context.
 
-Prompts are templated and tokenized by `encode`, on small pools of their own (one for requests,
-one for the `/tokenize` route, so that route cannot queue generation): neither the caller's event
-loop nor the engine thread pays for a long prompt. The template renders in killable workers
-(services/engine/chat_template.py), so an encode thread waits at most the render's deadline;
-`check_alive` fails when encodes stop making progress. A step that fails as a whole
-has already failed every request (each stream gets its error output); the loop then goes on,
-unless the fault was the engine's own (out of memory, the device), when it stops and every
-stream, and every request still arriving, gets `EngineDeadError`.
+Prompts are templated and tokenized by `encode` (services/engine/encoding.py) off the event
+loop and the engine thread; `check_alive` fails when encodes stop making progress. A step that
+fails as a whole has already failed every request (each stream gets its error output); the loop
+then goes on, unless the fault was the engine's own (out of memory, the device), when it stops
+and every stream, and every request still arriving, gets `EngineDeadError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from services.engine.encoding import Encoder
 from services.engine.engine import LLMEngine, Prompt
 from services.engine.failures import is_engine_fault
 from services.engine.params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-# An encode this long past the render's deadline and its wait for a worker is stuck somewhere no
-# deadline reaches: health checks say so.
-ENCODE_GRACE_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
@@ -93,9 +85,7 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._counter = 0
         self._lock = threading.Lock()
-        self._encoders = ThreadPoolExecutor(2, thread_name_prefix="encode")
-        self._route = ThreadPoolExecutor(1, thread_name_prefix="tokenize-route")
-        self._encoding: dict[int, float] = {}  # encode in flight -> when it started
+        self.encoder = Encoder(engine)
         self._thread = threading.Thread(target=self._run, name="structserve-engine", daemon=True)
         self._thread.start()
 
@@ -107,28 +97,16 @@ class AsyncLLM:
         tenant: str = "default",
         route: bool = False,
     ) -> list[int]:
-        """Token ids of a prompt or of chat messages (templated with `template` options);
-        `ValueError` naming the field when they are over `max_prompt_chars` or the template
-        refuses them. `route`: for the `/tokenize` route, on its own thread."""
-        engine = self.engine
-        if messages is not None:
-            options = {**(template or {}), "tenant": tenant}
-            call = functools.partial(engine.apply_chat_template, messages, **options)
-        elif prompt is not None:
-            call = functools.partial(engine.tokenize, prompt)
-        else:
-            raise ValueError("prompt: give a prompt or messages")
-        pool = self._route if route else self._encoders
-        return await asyncio.get_running_loop().run_in_executor(pool, self._timed, call)
+        """Token ids of a prompt or of chat messages (services/engine/encoding.py)."""
+        return await self.encoder.encode(prompt, messages, template, tenant, route)
 
-    def _timed(self, call: Any) -> list[int]:
-        key = threading.get_ident()
-        self._encoding[key] = time.monotonic()
-        try:
-            ids: list[int] = call()
-            return ids
-        finally:
-            self._encoding.pop(key, None)
+    @property
+    def front(self) -> LLMEngine:
+        """What the replica reads of the model: tokenizer, limits (encoding.Front's names)."""
+        return self.engine
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Ready at once: the engine is in this process (the core process's client waits)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -162,13 +140,7 @@ class AsyncLLM:
         longer be encoded (for health checks)."""
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError("the engine loop has stopped") from self._error
-        chat = self.engine.chat
-        stalled = chat.stalled()
-        limit = chat.timeout_s + chat.wait_s + ENCODE_GRACE_S
-        oldest = min(self._encoding.values(), default=None)
-        if not stalled and oldest is not None and time.monotonic() - oldest > limit:
-            stalled = f"an encode has run {time.monotonic() - oldest:.0f} s"
-        if stalled:
+        if stalled := self.encoder.stalled():
             raise EngineDeadError(f"prompts cannot be encoded: {stalled}")
 
     def abort(self, request_id: str) -> None:
@@ -177,10 +149,8 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
-        self._encoders.shutdown(wait=False, cancel_futures=True)
-        self._route.shutdown(wait=False, cancel_futures=True)
+        self.encoder.shutdown()
         self.engine.grammars.shutdown()
-        self.engine.chat.close()
 
     # -- the engine thread ---------------------------------------------------------------------
 

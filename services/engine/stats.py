@@ -34,8 +34,9 @@ def kv_tier(engine: Any) -> Any | None:
 
 
 class EngineStats:
-    def __init__(self, engine: Any, tel: telemetry.Telemetry | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any | None, tel: telemetry.Telemetry | None = None) -> None:
+        """`engine` None (a core in its own process): request timings only."""
+        self.engine: Any = engine
         self.tel = tel or telemetry.get()
         fam = self.tel.metrics
         self._sources = [
@@ -57,9 +58,11 @@ class EngineStats:
             ("structserve.prefix_cache.evictions", self._prefix_evictions),
             ("structserve.prefix_cache.pages", self._prefix_pages),
         ]
+        if engine is None:
+            self._sources = []
         for name, source in self._sources:
             fam.observe(name, source)
-        if self.tel.enabled:
+        if self.tel.enabled and engine is not None:
             engine.grammars.on_mask_fill = fam.mask_fill.record
             if (tier := kv_tier(engine)) is not None:
                 tier.on_read = fam.kv_host_read.record
@@ -200,6 +203,8 @@ class EngineStats:
     def close(self) -> None:
         for _, source in self._sources:
             self.tel.metrics.forget(source)
+        if self.engine is None:
+            return
         if getattr(self.engine.grammars, "on_mask_fill", None) is not None:
             self.engine.grammars.on_mask_fill = None
         if (tier := kv_tier(self.engine)) is not None:

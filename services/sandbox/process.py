@@ -64,7 +64,7 @@ class Spawner:
 SPAWNER = Spawner()
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     import grammar_registry
     import services
 
@@ -76,7 +76,7 @@ def _child_env() -> dict[str, str]:
 
 # -P (3.11+): the working directory is not put on the child's sys.path, so a stray `xgrammar.py`
 # next to the caller's script cannot shadow the real one.
-_PYTHON_FLAGS = ["-P"] if sys.version_info >= (3, 11) else []
+PYTHON_FLAGS = ["-P"] if sys.version_info >= (3, 11) else []
 
 
 class WorkerProcess:
@@ -89,7 +89,7 @@ class WorkerProcess:
         # worker points fd 2 at a capture file of its own.
         self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed once started)
         mine, theirs = socket.socketpair()
-        argv = [sys.executable, *_PYTHON_FLAGS, "-m", "services.sandbox.worker"]
+        argv = [sys.executable, *PYTHON_FLAGS, "-m", "services.sandbox.worker"]
         argv += [str(theirs.fileno()), str(os.getpid())]
         try:
             self.proc = SPAWNER.call(
@@ -99,7 +99,7 @@ class WorkerProcess:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,  # a pipe the caller reads must not stay open
                     stderr=self.stderr,
-                    env=_child_env(),
+                    env=child_env(),
                 )
             )
         except BaseException:

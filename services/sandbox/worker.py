@@ -34,7 +34,7 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 def main(argv: list[str]) -> None:
     """The entry point the pool runs: `FD PARENT_PID`."""
     fd, parent = int(argv[0]), int(argv[1])
-    _die_with_parent(parent)
+    die_with_parent(parent)
     conn = Connection(fd)
     try:
         setup = conn.recv()
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
     worker_main(conn, setup)
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """SIGKILL this worker when the pool's process dies, even mid-job: EOF on the socket only
     reaches a worker between jobs, and a hostile job can run for minutes."""
     if not sys.platform.startswith("linux"):
