@@ -17,6 +17,7 @@ static limits, ~350 KB each: refused at the ingress). Writes `benchmarks/results
 (with B's p50 and p99 for its plain and its schema requests apart, `b_ttft_by_kind_s`).
 
     .venv/bin/python benchmarks/fair_http.py [--seconds 30] [--patterns n16,slow_bodies,...]
+    .venv/bin/python benchmarks/fair_http.py --engine-process both   # both twins, one run
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ async def weights_run(url: str, seconds: float) -> dict[str, Any]:
     }
 
 
-def deploy(port: int) -> str:
+def deploy(port: int, engine_process: bool = False) -> str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     import redis
@@ -269,13 +270,19 @@ def deploy(port: int) -> str:
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + "/9"
     redis.Redis.from_url(redis_url).flushdb()
     os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", "bench-verdict-secret-0123456789")
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if "bench" in serve.status().applications:
+        serve.delete("bench")  # a fresh set of replicas for each twin
     wide = TenantLimits(requests_per_minute=1_000_000, max_concurrent=32, max_tokens=512)
     cfg = ServiceConfig(
         redis_url=redis_url,
         ingress=IngressConfig(num_replicas=2, body_timeout_s=5.0, max_ongoing_requests=256),
-        llm=LLMConfig(engine={"kv_cache_memory": 512 << 20, "max_num_seqs": 16}),
+        llm=LLMConfig(
+            engine={"kv_cache_memory": 512 << 20, "max_num_seqs": 16},
+            engine_process=engine_process,
+        ),
         grammar=GrammarServiceConfig(workers=2, deadline_s=DEADLINE_S),
         tenants=[
             TenantConfig(name="greedy", api_key_sha256=[digest(KEYS["greedy"])], limits=wide),
@@ -297,8 +304,25 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="per pattern")
     p.add_argument("--patterns", default=",".join(PATTERNS))
     p.add_argument("--port", type=int, default=8011)
+    p.add_argument(
+        "--engine-process",
+        choices=["on", "off", "both"],
+        default="off",
+        help="llm.engine_process: the engine core in its own process; both: each twin in turn",
+    )
     args = p.parse_args()
-    url = deploy(args.port)
+    twins = ["off", "on"] if args.engine_process == "both" else [args.engine_process]
+    everything = {}
+    for twin in twins:
+        print(f"llm.engine_process={twin == 'on'}", flush=True)
+        everything[f"engine_process_{twin}"] = one_twin(args, twin == "on")
+    RESULTS.mkdir(exist_ok=True)
+    name = "fair_http.json" if len(twins) == 1 else "fair_http_twins.json"
+    (RESULTS / name).write_text(json.dumps(everything, indent=2) + "\n")
+
+
+def one_twin(args: argparse.Namespace, engine_process: bool) -> dict[str, Any]:
+    url = deploy(args.port, engine_process)
     asyncio.run(pattern_run(url, None, 5.0))  # warm-up: the first compile, the first forward
     out: dict[str, Any] = {"seconds": args.seconds}
     print(f"B alone for {args.seconds:g} s...", flush=True)
@@ -312,8 +336,6 @@ def main() -> None:
         rows.append((pattern, r))
     print(f"weights 1 and 2, both backlogged, for {args.seconds:g} s...", flush=True)
     out["weights"] = asyncio.run(weights_run(url, args.seconds))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "fair_http.json").write_text(json.dumps(out, indent=2) + "\n")
     print(
         f"\nB alone: TTFT p50 {alone['b_ttft_p50_s'] * 1e3:.0f} ms, "
         f"p99 {alone['b_ttft_p99_s'] * 1e3:.0f} ms, {alone['b_requests']} requests"
@@ -330,6 +352,7 @@ def main() -> None:
         f"tokens by weight: weight 1 {w['share_weight_1']:.2f} (1/3 expected), "
         f"weight 2 {w['share_weight_2']:.2f} (2/3 expected); {w['tokens']}"
     )
+    return out
 
 
 if __name__ == "__main__":

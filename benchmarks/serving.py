@@ -15,6 +15,7 @@ output) is `benchmarks/tool_calls.py`, on the same service set-up.
 
     .venv/bin/python benchmarks/serving.py [--levels 1,8,32] [--max-tokens 32]
     .venv/bin/python benchmarks/serving.py --telemetry both --levels 1,8 --no-engine
+    .venv/bin/python benchmarks/serving.py --engine-process both   # the two twins, one run
 """
 
 from __future__ import annotations
@@ -179,8 +180,9 @@ def start_service(port: int) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
 
-def deploy(telemetry: bool) -> None:
-    """(Re)deploys the service, with telemetry on (sampling every request) or off."""
+def deploy(telemetry: bool, engine_process: bool = False) -> None:
+    """(Re)deploys the service, with telemetry on (sampling every request) or off, the engine
+    core in a process of its own or on a replica thread."""
     from ray import serve
 
     from deployments.app import build_app
@@ -192,7 +194,11 @@ def deploy(telemetry: bool) -> None:
     )
 
     cfg = ServiceConfig(
-        llm=LLMConfig(engine={"kv_cache_memory": 512 << 20}, max_ongoing_requests=64),
+        llm=LLMConfig(
+            engine={"kv_cache_memory": 512 << 20},
+            max_ongoing_requests=64,
+            engine_process=engine_process,
+        ),
         grammar=GrammarServiceConfig(workers=1),
         telemetry=TelemetryConfig(enabled=telemetry, sampling_ratio=1.0),
     )
@@ -229,20 +235,31 @@ def main() -> None:
     )
     p.add_argument("--repeats", type=int, default=1, help="with --telemetry both: rounds")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine peer")
+    p.add_argument(
+        "--engine-process",
+        choices=["on", "off", "both"],
+        default="off",
+        help="llm.engine_process: the engine core in its own process; both: each twin in turn",
+    )
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     url = args.url or f"http://127.0.0.1:{args.port}"
     plan = {c: workload(args.requests or max(8, 2 * c)) for c in levels}
     modes = ["on", "off"] if args.telemetry == "both" else [args.telemetry]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    cores: list[dict] = []  # with --engine-process both: the core process twin's runs
     if args.url:  # someone else's service: its own telemetry setting
         runs[modes[0]].append(http_levels(url, levels, plan, args.max_tokens, "url"))
     else:
         start_service(args.port)
+        twins = ["off", "on"] if args.engine_process == "both" else [args.engine_process]
         for _ in range(args.repeats if len(modes) > 1 else 1):
             for mode in modes:
-                deploy(mode == "on")
-                runs[mode].append(http_levels(url, levels, plan, args.max_tokens, mode))
+                for twin in twins:
+                    deploy(mode == "on", twin == "on")
+                    tag = mode if len(twins) == 1 else f"core={twin}"
+                    result = http_levels(url, levels, plan, args.max_tokens, tag)
+                    (runs[mode] if twin == twins[0] else cores).append(result)
         import ray
         from ray import serve
 
@@ -271,6 +288,9 @@ def main() -> None:
     engine = asyncio.run(offline())
     llm.shutdown()
     report(levels, http, engine, args)
+    if cores:
+        print("\nthe engine core in its own process (llm.engine_process=true):")
+        report(levels, {c: best(r[c] for r in cores) for c in levels}, engine, args, "_core")
 
 
 def best(results: Any) -> dict:
@@ -298,7 +318,9 @@ def telemetry_report(levels: list[int], runs: dict, args: argparse.Namespace) ->
     (RESULTS / "serving_telemetry.json").write_text(json.dumps(out, indent=2))
 
 
-def report(levels: list[int], http: dict, engine: dict, args: argparse.Namespace) -> None:
+def report(
+    levels: list[int], http: dict, engine: dict, args: argparse.Namespace, suffix: str = ""
+) -> None:
     rows = []
     print(
         "\n| concurrency | HTTP req/s | engine req/s | HTTP/engine | TTFT p50/p99 ms (HTTP) "
@@ -317,7 +339,7 @@ def report(levels: list[int], http: dict, engine: dict, args: argparse.Namespace
         )
     RESULTS.mkdir(exist_ok=True)
     out = {"max_tokens": args.max_tokens, "levels": rows}
-    (RESULTS / "serving.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / f"serving{suffix}.json").write_text(json.dumps(out, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -332,7 +354,7 @@ def report(levels: list[int], http: dict, engine: dict, args: argparse.Namespace
     ax.set_title(f"Serving overhead ({args.max_tokens} tokens, half JSON-constrained)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "serving.png", dpi=120)
+    fig.savefig(RESULTS / f"serving{suffix}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -94,6 +95,12 @@ def service_provider(cfg: ServiceConfig, grammar_handle: Any) -> ProviderFactory
     return make
 
 
+def usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: this process's CPU set (a container's too)
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def engine_client(cfg: ServiceConfig, engine: EngineConfig, grammar_handle: Any) -> Any:
     """The engine in a core process of its own (`llm.engine_process`), or on a thread here."""
     if not cfg.llm.engine_process:
@@ -119,12 +126,19 @@ class LLMReplica:
         weights = cfg.llm.engine.tenant_weights or {t.name: t.weight for t in cfg.tenants}
         # the mask budget is the grammar config's: the probe admits by it, decoding holds to it
         budget = cfg.grammar.mask_budget_ms
+        # Ray sets OMP_NUM_THREADS=1 in an actor that reserves no CPUs, and torch would take it
+        # as its thread count: the engine takes the CPUs this process may use, unless set
+        threads = cfg.llm.engine.num_threads or usable_cpus()
         engine = replace(
-            cfg.llm.engine, model=cfg.model, tenant_weights=weights, mask_budget_ms=budget
+            cfg.llm.engine,
+            model=cfg.model,
+            tenant_weights=weights,
+            mask_budget_ms=budget,
+            num_threads=threads,
         )
         self.llm = engine_client(cfg, engine, grammar_handle)
-        # in its own process the core's numbers do not reach this one: request timings only
-        self.stats = EngineStats(getattr(self.llm, "engine", None), self.tel)
+        core = self.llm if isinstance(self.llm, CoreClient) else None
+        self.stats = EngineStats(getattr(self.llm, "engine", None), self.tel, core)
         self.front = front = self.llm.front  # tokenizer, template, limits
         self.token_text = logprobs.TokenText(front.tokenizer)
         self.model_name = cfg.served_model_name

@@ -27,10 +27,12 @@ from typing import Any
 
 from services.engine import core_messages as msg
 from services.engine.config import EngineConfig
+from services.engine.gauges import numbers
 
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.5
+MAX_SAMPLES = 10_000  # telemetry samples held between two beats
 CALL_TIMEOUT_S = 180.0  # as the replica's own wait on the grammar service
 
 
@@ -131,6 +133,12 @@ class EngineCore:
         self.live: dict[str, int] = {}  # request -> logprobs already sent
         self.steps = 0
         self.last_beat = 0.0
+        # telemetry samples, sent with the next beat (appended from mask and copy threads)
+        self.mask_fills: list[float] = []
+        self.host_reads: list[float] = []
+        self.engine.grammars.on_mask_fill = self._sample(self.mask_fills)
+        if self.engine.kv_tier is not None:
+            self.engine.kv_tier.on_read = self._sample(self.host_reads)
 
     def run(self) -> None:
         self.wire.send(msg.Ready(msg.pickled(self.engine.limits)))
@@ -230,11 +238,22 @@ class EngineCore:
             self.wire.send(msg.Outputs(items))
         self._beat()
 
+    @staticmethod
+    def _sample(into: list[float]) -> Any:
+        def record(seconds: float) -> None:
+            if len(into) < MAX_SAMPLES:  # a replica that stopped listening: bounded
+                into.append(seconds)
+
+        return record
+
     def _beat(self) -> None:
         now = time.monotonic()
-        if now - self.last_beat >= BEAT_S:
-            self.last_beat = now
-            self.wire.send(msg.Beat(self.steps))
+        if now - self.last_beat < BEAT_S:
+            return
+        self.last_beat = now
+        fills, reads = self.mask_fills[:], self.host_reads[:]
+        del self.mask_fills[: len(fills)], self.host_reads[: len(reads)]
+        self.wire.send(msg.Beat(self.steps, numbers(self.engine), fills, reads))
 
     def _send_quietly(self, message: Any) -> None:
         with contextlib.suppress(OSError):

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -136,6 +137,10 @@ class CoreClient:
         self._calls_pool = ThreadPoolExecutor(4, thread_name_prefix="core-calls")
         self._closed = False
         self.restarts = 0
+        # the core's telemetry, from its heartbeats (services/engine/stats.py reads them)
+        self.numbers: dict[str, list[tuple[float, dict[str, str]]]] = {}
+        self.on_mask_fill: Callable[[float], None] | None = None
+        self.on_host_read: Callable[[float], None] | None = None
         self.state = "starting"
         self.reason = ""
         self._ready = threading.Event()
@@ -271,12 +276,24 @@ class CoreClient:
                 self._heard = time.monotonic()
                 if isinstance(message, msg.Outputs):
                     self._deliver(message.items)
+                elif isinstance(message, msg.Beat):
+                    self._beat(message)
                 elif isinstance(message, msg.Call):
                     self._calls_pool.submit(self._answer, proc, message)
                 elif isinstance(message, msg.Failed):
                     self.reason = message.error
         except (EOFError, OSError):
             return  # the watchdog sees the process end
+
+    def _beat(self, beat: msg.Beat) -> None:
+        self.numbers = beat.numbers
+        for hook, samples in (
+            (self.on_mask_fill, beat.mask_fill_s),
+            (self.on_host_read, beat.host_read_s),
+        ):
+            if hook is not None:
+                for seconds in samples:
+                    hook(seconds)
 
     def _deliver(self, items: list[msg.Output]) -> None:
         for item in items:

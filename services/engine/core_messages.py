@@ -96,7 +96,12 @@ class Outputs(msgspec.Struct, tag=True):
 
 
 class Beat(msgspec.Struct, tag=True):
-    steps: int  # steps run so far (a hang is time without beats; this is for logs)
+    """The loop is alive (a hang is time without beats), with its engine's telemetry."""
+
+    steps: int  # steps run so far
+    numbers: dict[str, list[tuple[float, dict[str, str]]]]  # gauges.numbers
+    mask_fill_s: list[float]  # mask fills since the last beat
+    host_read_s: list[float]  # KV host-tier reads since the last beat
 
 
 class Call(msgspec.Struct, tag=True):

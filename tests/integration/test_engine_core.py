@@ -135,6 +135,25 @@ def test_a_dropped_stream_is_aborted_and_its_neighbours_go_on(core):
     assert not core._streams  # every dropped stream forgotten
 
 
+def test_the_cores_numbers_and_mask_times_reach_the_replica(core):
+    fills: list[float] = []
+    core.on_mask_fill = fills.append  # as EngineStats hooks it
+    try:
+        ask = [{"role": "user", "content": "Describe a person as JSON."}]
+        params = SamplingParams(
+            max_tokens=16, temperature=0.0, structured=StructuredOutput(json_schema=PERSON)
+        )
+        asyncio.run(run_one(core, ask, params))
+        time.sleep(1.5)  # the next heartbeats carry them
+    finally:
+        core.on_mask_fill = None
+    assert fills and all(0 <= f < 10 for f in fills)
+    numbers = core.numbers
+    assert numbers["structserve.kv.pages_capacity"][0][0] > 0
+    assert numbers["structserve.running_requests"] == [(0, {})]
+    assert {a["tenant"] for _, a in numbers["structserve.prefix_cache.queries"]} == {"default"}
+
+
 def kill_mid_stream(core: CoreClient, kill: Any) -> tuple[float, list[Any]]:
     """Starts three long streams, applies `kill` after their first tokens; how long until every
     stream ended, and how each ended."""
