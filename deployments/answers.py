@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 from deployments import logprobs, tools
 from deployments.observe import RequestObs
 from deployments.protocol import body_message, error_body, now
+from deployments.wire import Delta
 
 log = logging.getLogger(__name__)
 
@@ -70,47 +72,47 @@ def error_kind(status: int) -> str:
     return KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
-def _readers(body: Any, firsts: list[dict[str, Any]]) -> list[tools.AnswerReader | None]:
+def _readers(body: Any, firsts: list[Delta]) -> list[tools.AnswerReader | None]:
     """Each choice's reader, when its replica said how to split its answer (thinking or
     calls: replica.py); None: the text is all content."""
     reasoning = getattr(body, "include_reasoning", True)
     return [
-        tools.AnswerReader(f["answer"]["tag"], f["answer"]["names"], reasoning)
-        if f.get("answer")
-        else None
+        tools.AnswerReader(f.answer.tag, f.answer.names, reasoning) if f.answer else None
         for f in firsts
     ]
 
 
-def repeated_end(last: dict[str, Any]) -> dict[str, Any]:
+def repeated_end(last: Delta) -> Delta:
     """The end of a choice cut short after a repeated tool call (tools.AnswerReader)."""
     why = "tool_calls: the model repeated an earlier call; the answer ended there"
-    end = {"finished": True, "finish_reason": "stop", "validated": None, "error_status": None}
-    return {**last, **end, "warnings": [why]}
+    return replace(
+        last, finished=True, finish_reason="stop", validated=None, error_status=None, warnings=[why]
+    )
 
 
 async def _tool_verdict(
-    obs: RequestObs, body: Any, result: dict[str, Any], reader: tools.AnswerReader, schema: Any
-) -> str | None:
-    """A choice's finish reason once its calls are known; their arguments' validation (and the
-    content's, against a response format held after thinking) goes into its `validated` and
-    `warnings`, as a schema's does, beside any call left out cut."""
+    obs: RequestObs, body: Any, result: Delta, reader: tools.AnswerReader, schema: Any
+) -> Delta:
+    """A choice's last delta once its calls are known: its finish reason, and its arguments'
+    validation (and the content's, against a response format held after thinking) in its
+    `validated` and `warnings`, as a schema's are, beside any call left out cut."""
     calls = reader.calls
     content = None
-    if schema is not None and result["finish_reason"] == "stop":
+    if schema is not None and result.finish_reason == "stop":
         content = (schema, reader.content)
     validated, problems = await tools.validate(body, calls, obs.tenant, content)
-    result["warnings"] = [*result["warnings"], *tools.cut_warnings(reader)]
+    warnings = [*result.warnings, *tools.cut_warnings(reader)]
     if validated is not None:
-        result["validated"] = validated
-        result["warnings"] = [*result["warnings"], *problems]
-    return tools.finish_reason(result["finish_reason"], calls)
+        result = replace(result, validated=validated)
+        warnings = [*warnings, *problems]
+    reason = tools.finish_reason(result.finish_reason, calls)
+    return replace(result, warnings=warnings, finish_reason=reason)
 
 
-def engine_refusal(first: dict[str, Any]) -> ApiError:
+def engine_refusal(first: Delta) -> ApiError:
     """A request the replica refused before its first token, as the HTTP error it maps to."""
-    message = body_message(first["warnings"][-1]) if first["warnings"] else "request refused"
-    status = first["error_status"] or 400
+    message = body_message(first.warnings[-1]) if first.warnings else "request refused"
+    status = first.error_status or 400
     field = message.split(":")[0]
     if status == 503:  # the engine restarting, a render that could not run: soon, again
         return ApiError(503, message, field, retry_after=5)
@@ -145,62 +147,64 @@ async def collect(
 
     readers = _readers(body, firsts)
 
-    async def drain(stream: Any, first: dict[str, Any], reader: Any) -> dict[str, Any]:
-        text, last = first["delta_text"], first
-        items = first.get("logprobs")
+    async def drain(stream: Any, first: Delta, reader: Any) -> tuple[Delta, str]:
+        """The choice's last delta (with every logprob) and its whole text."""
+        text, last = first.delta_text, first
+        items = first.logprobs
         while True:
             if reader is not None:
-                reader.feed(last["delta_text"], last["num_delta_tokens"])
-                if reader.repeated and not last["finished"]:
+                reader.feed(last.delta_text, last.num_delta_tokens)
+                if reader.repeated and not last.finished:
                     cancel([stream])
                     last = repeated_end(last)
-            if last["finished"]:
+            if last.finished:
                 break
             last = await stream.__anext__()
-            text += last["delta_text"]
-            if last.get("logprobs") is not None:
-                items = (items or []) + last["logprobs"]
-        return {**last, "text": text, "logprobs": items}
+            text += last.delta_text
+            if last.logprobs is not None:
+                items = (items or []) + last.logprobs
+        return replace(last, logprobs=items), text
 
     try:
         triples = zip(streams, firsts, readers, strict=True)
-        results = await asyncio.gather(*(drain(s, f, p) for s, f, p in triples))
+        drained = await asyncio.gather(*(drain(s, f, p) for s, f, p in triples))
     except Exception as exc:
         cancel(streams)
         raise ApiError(503, "the model replica failed mid-request; try again") from exc
-    if down := [r for r in results if r["error_status"] == 503]:  # an engine went down
-        raise ApiError(503, body_message(down[0]["warnings"][-1]), retry_after=5)
+    if down := [r for r, _ in drained if r.error_status == 503]:  # an engine went down
+        raise ApiError(503, body_message(down[0].warnings[-1]), retry_after=5)
     choices = []
+    results = []
     thinking = 0
-    for i, r in enumerate(results):
-        obs.add_result(r)
-        reason = r["finish_reason"]
+    for i, (r, text) in enumerate(drained):
         if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             if (reader := readers[i]) is not None:
                 message["content"], calls = reader.result()
                 if reader.thinking and reader.reasoning:
                     message["reasoning_content"] = message["reasoning"] = reader.thinking
-                schema = firsts[i]["answer"]["schema"]
-                reason = await _tool_verdict(obs, body, r, reader, schema)
+                schema = firsts[i].answer.schema
+                r = await _tool_verdict(obs, body, r, reader, schema)
                 thinking += reader.thinking_tokens
                 if calls:
                     message["tool_calls"] = [c.as_dict() for c in calls]
-            lp = logprobs.chat(r["logprobs"])
+            lp = logprobs.chat(r.logprobs)
             choices.append(
-                {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
+                {"index": i, "message": message, "logprobs": lp, "finish_reason": r.finish_reason}
             )
         else:
-            lp = logprobs.completion(r["logprobs"], 0)
-            choice = {"index": i, "text": r["text"], "logprobs": lp, "finish_reason": reason}
-            if r.get("prompt_logprobs") is not None:
-                choice["prompt_logprobs"] = r["prompt_logprobs"]
+            lp = logprobs.completion(r.logprobs, 0)
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": r.finish_reason}
+            if r.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = r.prompt_logprobs
             choices.append(choice)
-    prompt = results[0]["prompt_tokens"]
-    completion = sum(r["completion_tokens"] for r in results)
+        obs.add_result(r)
+        results.append(r)
+    prompt = results[0].prompt_tokens
+    completion = sum(r.completion_tokens for r in results)
     extra = {}
-    if chat and results[0].get("prompt_logprobs") is not None:  # vLLM's place for them
-        extra["prompt_logprobs"] = results[0]["prompt_logprobs"]
+    if chat and results[0].prompt_logprobs is not None:  # vLLM's place for them
+        extra["prompt_logprobs"] = results[0].prompt_logprobs
     return {
         **extra,
         "id": rid,
@@ -212,12 +216,12 @@ async def collect(
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": results[0]["cached_tokens"]},
+            "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": thinking},
         },
         "structserve": {
-            "validated": [r["validated"] for r in results],
-            "warnings": [r["warnings"] for r in results],
+            "validated": [r.validated for r in results],
+            "warnings": [r.warnings for r in results],
         },
     }
 
@@ -240,55 +244,54 @@ async def sse(
     offsets = [0] * len(streams)  # characters of each choice already sent (text_offset)
     readers = _readers(body, firsts)
 
-    def event(index: int, delta: dict[str, Any], choice_delta: dict[str, Any], last: bool) -> str:
-        items = delta.get("logprobs")
-        reason = delta["finish_reason"] if last else None
+    def event(index: int, delta: Delta, choice_delta: dict[str, Any], last: bool) -> str:
+        items = delta.logprobs
+        reason = delta.finish_reason if last else None
         if chat:
             choice = {"index": index, "delta": choice_delta, "finish_reason": reason}
             if items is not None:
                 choice["logprobs"] = logprobs.chat(items)
         else:
-            choice = {"index": index, "text": delta["delta_text"], "finish_reason": reason}
+            choice = {"index": index, "text": delta.delta_text, "finish_reason": reason}
             if items is not None:
                 choice["logprobs"] = logprobs.completion(items, offsets[index])
         obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": body.model}
         obj["choices"] = [choice]
-        if last and delta["finished"]:  # like a whole response: the verdict and the warnings
-            obj["structserve"] = {"validated": delta["validated"], "warnings": delta["warnings"]}
+        if last and delta.finished:  # like a whole response: the verdict and the warnings
+            obj["structserve"] = {"validated": delta.validated, "warnings": delta.warnings}
         return "data: " + json.dumps(obj) + "\n\n"
 
-    async def chunks(index: int, delta: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    async def chunks(index: int, delta: Delta) -> tuple[Delta, list[str]]:
         """One event, or with tools one per content or call delta (logprobs ride the first);
         and the delta, made the last when a repeated call ends the choice here."""
-        text = delta["delta_text"]
+        text = delta.delta_text
         reader = readers[index]
         if reader is None:
             out = [event(index, delta, {"content": text}, True)]
             offsets[index] += len(text)
             return delta, out
-        parts = reader.feed(text, delta["num_delta_tokens"])
-        if reader.repeated and not delta["finished"]:
+        parts = reader.feed(text, delta.num_delta_tokens)
+        if reader.repeated and not delta.finished:
             delta = repeated_end(delta)
-        parts += reader.finish() if delta["finished"] else []
-        if delta["finished"]:
-            schema = firsts[index]["answer"]["schema"]
-            reason = await _tool_verdict(obs, body, delta, reader, schema)
-            delta = {**delta, "finish_reason": reason}
-        if not parts and (delta["finished"] or delta.get("logprobs") is not None):
+        parts += reader.finish() if delta.finished else []
+        if delta.finished:
+            schema = firsts[index].answer.schema
+            delta = await _tool_verdict(obs, body, delta, reader, schema)
+        if not parts and (delta.finished or delta.logprobs is not None):
             parts = [{}]
         out = []
         for k, part in enumerate(parts):
-            item = delta if k == 0 else {**delta, "logprobs": None}
+            item = delta if k == 0 else replace(delta, logprobs=None)
             out.append(event(index, item, part, k == len(parts) - 1))
         return delta, out
 
-    queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: Any, first: dict[str, Any]) -> None:
+    async def pump(index: int, stream: Any, first: Delta) -> None:
         try:
             await queue.put((index, first))
             last = first
-            while not last["finished"]:
+            while not last.finished:
                 last = await stream.__anext__()
                 await queue.put((index, last))
         except Exception as exc:  # replica died mid-stream: the client gets an error event
@@ -299,8 +302,8 @@ async def sse(
         asyncio.create_task(pump(i, s, f))
         for i, (s, f) in enumerate(zip(streams, firsts, strict=True))
     ]
-    usage = {"prompt_tokens": firsts[0]["prompt_tokens"], "completion_tokens": 0}
-    made = [f["completion_tokens"] for f in firsts]  # each choice's tokens so far
+    usage = {"prompt_tokens": firsts[0].prompt_tokens, "completion_tokens": 0}
+    made = [f.completion_tokens for f in firsts]  # each choice's tokens so far
     try:
         if chat:
             for i in range(len(streams)):
@@ -318,15 +321,15 @@ async def sse(
                 err = error_body("the model replica failed mid-stream", "server_error")
                 yield "data: " + json.dumps(err) + "\n\n"
             else:
-                if item["finished"] and item["error_status"] == 503:  # its engine went down
-                    err = error_body(item["warnings"][-1], "service_unavailable")
+                if item.finished and item.error_status == 503:  # its engine went down
+                    err = error_body(item.warnings[-1], "service_unavailable")
                     yield "data: " + json.dumps(err) + "\n\n"
-                made[index] = item["completion_tokens"]
+                made[index] = item.completion_tokens
                 last, events = await chunks(index, item)
-                if last["finished"]:
-                    usage["completion_tokens"] += last["completion_tokens"]
+                if last.finished:
+                    usage["completion_tokens"] += last.completion_tokens
                     obs.add_result(last)
-                if last["finished"] and not item["finished"]:
+                if last.finished and not item.finished:
                     ended.add(index)
                     open_streams -= 1
                     tasks[index].cancel()
@@ -336,7 +339,7 @@ async def sse(
         await release(usage["prompt_tokens"] + sum(made))  # before the end: see Tenants.release
         if body.stream_options is not None and body.stream_options.include_usage:
             total = usage["prompt_tokens"] + usage["completion_tokens"]
-            details = {"cached_tokens": firsts[0]["cached_tokens"]}
+            details = {"cached_tokens": firsts[0].cached_tokens}
             thinking = sum(r.thinking_tokens for r in readers if r is not None)
             usage_out = {
                 **usage,

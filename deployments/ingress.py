@@ -46,6 +46,7 @@ from deployments.service_config import ServiceConfig
 from deployments.telemetry_hub import scraped, setup
 from deployments.tenants import Tenants
 from deployments.translate import sampling_from, screen
+from deployments.wire import Delta
 from services import settings
 
 log = logging.getLogger(__name__)
@@ -157,12 +158,12 @@ class Ingress:
             answer,
         )
 
-    async def _first(self, stream: Any) -> dict[str, Any]:
+    async def _first(self, stream: Any) -> Delta:
         """The first delta; a request refused by the engine becomes an HTTP error here."""
         from ray.serve.exceptions import BackPressureError
 
         try:
-            first: dict[str, Any] = await stream.__anext__()
+            first: Delta = await stream.__anext__()
         except BackPressureError as exc:
             message = "the model replicas are busy; try again"
             raise ApiError(429, message, retry_after=1, reason="replica_busy") from exc
@@ -171,7 +172,7 @@ class Ingress:
         except Exception as exc:  # the replica died before answering
             log.warning("replica failed: %s", exc)
             raise ApiError(503, "the model replica is unavailable; try again") from exc
-        if first["finish_reason"] == "error" and not first["completion_tokens"]:
+        if first.finish_reason == "error" and not first.completion_tokens:
             raise engine_refusal(first)
         return first
 

@@ -95,13 +95,12 @@ class RequestObs:
         except Exception:
             log.debug("telemetry: describing the request failed", exc_info=True)
 
-    def add_result(self, delta: Mapping[str, Any]) -> None:
-        """A choice's last delta: its usage and finish reason."""
-        self.usage["prompt_tokens"] = delta["prompt_tokens"]
-        self.usage["cached_tokens"] = delta.get("cached_tokens", 0)
-        self.usage["completion_tokens"] += delta["completion_tokens"]
-        reason = delta["finish_reason"]
-        self.finish_reasons.append(str(reason))
+    def add_result(self, delta: Any) -> None:
+        """A choice's last delta (a wire.Delta): its usage and finish reason."""
+        self.usage["prompt_tokens"] = delta.prompt_tokens
+        self.usage["cached_tokens"] = delta.cached_tokens
+        self.usage["completion_tokens"] += delta.completion_tokens
+        self.finish_reasons.append(str(delta.finish_reason))
 
     def finish(self, status: int, error: BaseException | None = None) -> None:
         if self._done:

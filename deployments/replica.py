@@ -25,7 +25,8 @@ from opentelemetry.trace import Status, StatusCode
 from deployments import logprobs
 from deployments.grammar_service import RemoteVerdicts
 from deployments.service_config import ServiceConfig
-from deployments.telemetry_hub import setup
+from deployments.telemetry_hub import Pusher, settings_from, setup
+from deployments.wire import Delta, Split
 from services.compiler.local_builds import LocalBuilds
 from services.compiler.service_provider import ServiceGrammarProvider
 from services.engine import chat
@@ -41,42 +42,6 @@ from services.telemetry import spans
 
 log = logging.getLogger(__name__)
 RESTART_WAIT_S = 10.0  # a request arriving while the core restarts waits this long, then 503
-
-
-def refusal_dict(message: str, status: int) -> dict[str, Any]:
-    """A request refused before the engine saw it, in the shape of a last delta."""
-    return {
-        "delta_text": "",
-        "num_delta_tokens": 0,
-        "finished": True,
-        "finish_reason": "error",
-        "prompt_tokens": 0,
-        "cached_tokens": 0,
-        "completion_tokens": 0,
-        "warnings": [message],
-        "validated": None,
-        "error_status": status,
-        "logprobs": None,
-        "prompt_logprobs": None,
-    }
-
-
-def delta_dict(out: RequestOutput, text: logprobs.TokenText) -> dict[str, Any]:
-    """What crosses the handle for one streamed step (small: no prompt ids, no whole text)."""
-    return {
-        "delta_text": out.delta_text,
-        "num_delta_tokens": len(out.delta_token_ids),
-        "finished": out.finished,
-        "finish_reason": out.finish_reason,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "cached_tokens": out.metrics.num_cached_tokens,
-        "completion_tokens": len(out.token_ids),
-        "warnings": out.warnings if out.finished else [],
-        "validated": out.validated,
-        "error_status": out.error_status,
-        "logprobs": logprobs.entries(out, text),
-        "prompt_logprobs": logprobs.prompt_entries(out, text) if out.finished else None,
-    }
 
 
 def service_provider(cfg: ServiceConfig, grammar_handle: Any) -> ProviderFactory:
@@ -114,7 +79,9 @@ def engine_client(cfg: ServiceConfig, engine: EngineConfig, grammar_handle: Any)
         share, budget = g.share_inline_cache, g.mask_budget_ms
         grammar = {"share_inline": share, "limits": g.limits, "mask_budget_ms": budget}
         calls = RemoteVerdicts(grammar_handle)
-    return CoreClient(engine, grammar, calls, timeout_s=cfg.llm.engine_core_timeout_s)
+    tel = settings_from(cfg.telemetry) if cfg.telemetry.enabled else None
+    timeout = cfg.llm.engine_core_timeout_s
+    return CoreClient(engine, grammar, calls, timeout_s=timeout, telemetry_settings=tel)
 
 
 class LLMReplica:
@@ -137,8 +104,12 @@ class LLMReplica:
             num_threads=threads,
         )
         self.llm = engine_client(cfg, engine, grammar_handle)
-        core = self.llm if isinstance(self.llm, CoreClient) else None
-        self.stats = EngineStats(getattr(self.llm, "engine", None), self.tel, core)
+        # an engine core in its own process reports its numbers itself, pushed from here
+        self.stats = EngineStats(getattr(self.llm, "engine", None), self.tel)
+        self.core_pusher = None
+        if isinstance(self.llm, CoreClient) and hub is not None and self.tel.enabled:
+            client = self.llm
+            self.core_pusher = Pusher(hub, "EngineCore", snapshot=lambda: client.metrics)
         self.front = front = self.llm.front  # tokenizer, template, limits
         self.token_text = logprobs.TokenText(front.tokenizer)
         self.model_name = cfg.served_model_name
@@ -155,7 +126,7 @@ class LLMReplica:
         trace: dict[str, str] | None = None,
         template: dict[str, Any] | None = None,
         answer: dict[str, Any] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[Delta]:
         """`template`: chat template options (`add_generation_prompt`, `tools`, ...); `answer`
         (a chat request's): its `tool_choice` and `parallel`. A chat answer is shaped in the
         model's dialect (services/engine/chat.py); when it may hold thinking or calls, the first
@@ -172,11 +143,11 @@ class LLMReplica:
                 params = turn.params
             await self.llm.wait_ready(RESTART_WAIT_S)  # a core restarting: within reason
         except (ValueError, EngineDeadError) as exc:  # a render that could not run: 503 too
-            yield refusal_dict(str(exc)[:300], getattr(exc, "status", 400))
+            yield Delta.refusal(str(exc)[:300], getattr(exc, "status", 400))
             return
         split = None
         if turn is not None and turn.split:
-            split = {"tag": turn.tag, "names": list(turn.parameters), "schema": turn.schema}
+            split = Split(turn.tag, list(turn.parameters), turn.schema)
         tel = self.tel
         attrs: dict[str, Any] = {
             spans.REQUEST_ID: request_id,
@@ -193,19 +164,16 @@ class LLMReplica:
         finally:
             tel.detach(token)
         last: RequestOutput | None = None
+        sent = Delta()
         try:
             async for out in stream:
                 last = out
-                delta = delta_dict(out, self.token_text)
+                sent = Delta.of(out, self.token_text)
                 if split is not None:
-                    delta["answer"], split = split, None
-                yield delta
+                    sent, split = replace(sent, answer=split), None
+                yield sent
         except EngineDeadError as exc:  # the core died under it: a last delta saying so
-            end = refusal_dict(str(exc)[:300], 503)
-            if last is not None:
-                end["prompt_tokens"] = len(last.prompt_token_ids)
-                end["completion_tokens"] = len(last.token_ids)
-            yield end
+            yield sent.ended(str(exc)[:300], 503)
         except asyncio.CancelledError:  # the client went away: free the slot and the pages
             self.llm.abort(request_id)
             raise
@@ -277,6 +245,8 @@ class LLMReplica:
         stats = getattr(self, "stats", None)
         if stats is not None:
             stats.close()
+        if (pusher := getattr(self, "core_pusher", None)) is not None:
+            pusher.stop()
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()

@@ -69,7 +69,7 @@ class LLMConfig(Backpressure):
     # the engine core (model, scheduler, step loop) in a process of its own, so the replica's
     # request traffic never shares its interpreter lock (services/engine/core.py); false: on a
     # thread of the replica's process. A core silent this long is killed and started again.
-    engine_process: bool = False
+    engine_process: bool = True
     engine_core_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
     @field_validator("tool_call_format", "reasoning_format")

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -46,9 +47,18 @@ def settings_from(cfg: TelemetryConfig) -> telemetry.TelemetrySettings:
 class Pusher:
     """Sends this process's snapshot to the hub every `interval_s`, on a daemon thread."""
 
-    def __init__(self, hub: Any, component: str, interval_s: float = PUSH_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        hub: Any,
+        component: str,
+        interval_s: float = PUSH_INTERVAL_S,
+        snapshot: Callable[[], list[Family]] | None = None,
+    ) -> None:
+        """`snapshot`: whose metrics to push (default this process's; an LLM replica pushes its
+        engine core's too, which has no handle of its own)."""
         self.hub = hub
         self.component = component
+        self.snapshot = snapshot or (lambda: telemetry.get().snapshot())
         self.source = f"{component}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -57,7 +67,7 @@ class Pusher:
         self._thread.start()
 
     def push(self) -> None:
-        snapshot = telemetry.get().snapshot()
+        snapshot = self.snapshot()
         self.hub.push.remote(self.source, self.component, snapshot).result(
             timeout_s=_PUSH_TIMEOUT_S
         )

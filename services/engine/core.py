@@ -11,6 +11,10 @@ the loop drains between steps (as `AsyncLLM`'s engine thread does) and answers t
 calls this process made; the loop sends one `Outputs` per step and a `Beat` at least every
 `BEAT_S`, so a replica that hears nothing for its timeout knows the loop is stuck. Grammar
 verdicts come from the replica (`PipeVerdicts`): only it can reach the grammar service.
+
+Telemetry: with the replica's settings, this process exports its own spans (a request is
+admitted inside the replica's span, so its grammar's spans join the trace) and its beats carry
+its metrics once a second, which the replica pushes to the hub as the `EngineCore` component.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from services import telemetry
 from services.engine import core_messages as msg
 from services.engine.config import EngineConfig
-from services.engine.gauges import numbers
+from services.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.5
-MAX_SAMPLES = 10_000  # telemetry samples held between two beats
+METRICS_S = 1.0  # how often a beat carries the core's metrics
 CALL_TIMEOUT_S = 180.0  # as the replica's own wait on the grammar service
 
 
@@ -95,7 +100,8 @@ class PipeVerdicts:
         call = next(self.ids)
         future: Future[Any] = Future()
         self.pending[call] = future
-        self.wire.send(msg.Call(call, method, msg.pickled(args)))
+        carrier = telemetry.get().inject()  # the resolve span this runs in
+        self.wire.send(msg.Call(call, method, msg.pickled(args), carrier))
         try:
             return future.result(timeout=CALL_TIMEOUT_S)
         finally:
@@ -132,13 +138,9 @@ class EngineCore:
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.live: dict[str, int] = {}  # request -> logprobs already sent
         self.steps = 0
-        self.last_beat = 0.0
-        # telemetry samples, sent with the next beat (appended from mask and copy threads)
-        self.mask_fills: list[float] = []
-        self.host_reads: list[float] = []
-        self.engine.grammars.on_mask_fill = self._sample(self.mask_fills)
-        if self.engine.kv_tier is not None:
-            self.engine.kv_tier.on_read = self._sample(self.host_reads)
+        self.last_beat = self.last_metrics = 0.0
+        self.tel = telemetry.get()
+        self.stats = EngineStats(self.engine, self.tel)  # its gauges, mask and tier timings
 
     def run(self) -> None:
         self.wire.send(msg.Ready(msg.pickled(self.engine.limits)))
@@ -185,11 +187,14 @@ class EngineCore:
             params = msg.unpickled(message.params)
             prompt = msg.ids_list(message.prompt)
             rid = message.request_id
+            token = self.tel.attach(self.tel.extract(message.trace))  # its grammar's spans too
             try:
                 req = self.engine.add_request(prompt, params, rid, message.tenant)
             except Exception as exc:  # the client never sends a live id twice: logged only
                 log.warning("request %s refused: %r", rid, exc)
                 return
+            finally:
+                self.tel.detach(token)
             self.live[rid] = 0
             if req.finished:
                 self._send([rid])
@@ -238,22 +243,16 @@ class EngineCore:
             self.wire.send(msg.Outputs(items))
         self._beat()
 
-    @staticmethod
-    def _sample(into: list[float]) -> Any:
-        def record(seconds: float) -> None:
-            if len(into) < MAX_SAMPLES:  # a replica that stopped listening: bounded
-                into.append(seconds)
-
-        return record
-
     def _beat(self) -> None:
         now = time.monotonic()
         if now - self.last_beat < BEAT_S:
             return
         self.last_beat = now
-        fills, reads = self.mask_fills[:], self.host_reads[:]
-        del self.mask_fills[: len(fills)], self.host_reads[: len(reads)]
-        self.wire.send(msg.Beat(self.steps, numbers(self.engine), fills, reads))
+        metrics = b""
+        if self.tel.enabled and now - self.last_metrics >= METRICS_S:
+            self.last_metrics = now
+            metrics = msg.pickled(self.tel.snapshot())
+        self.wire.send(msg.Beat(self.steps, metrics))
 
     def _send_quietly(self, message: Any) -> None:
         with contextlib.suppress(OSError):
@@ -262,7 +261,8 @@ class EngineCore:
 
 def main(argv: list[str]) -> None:
     """The entry point core_client.py runs: `python -m services.engine.core FD PARENT_PID`;
-    the first message on the socket is `(EngineConfig, grammar settings or None)`."""
+    the first message on the socket is `(EngineConfig, grammar settings or None, telemetry
+    settings or None)`."""
     from multiprocessing.connection import Connection
 
     from services.sandbox.worker import die_with_parent
@@ -271,14 +271,16 @@ def main(argv: list[str]) -> None:
     die_with_parent(parent)
     conn = Connection(fd)
     try:
-        config, grammar = conn.recv()
+        config, grammar, settings = conn.recv()
     except EOFError:
         return
+    logging.basicConfig(level=logging.INFO, format="engine-core %(levelname)s %(message)s")
+    if settings is not None:  # the replica's telemetry settings: spans exported from here
+        telemetry.configure(settings, "EngineCore")
     serve(conn, config, grammar)
 
 
 def serve(conn: Any, config: EngineConfig, grammar: dict[str, Any] | None) -> None:
-    logging.basicConfig(level=logging.INFO, format="engine-core %(levelname)s %(message)s")
     try:
         core = EngineCore(conn, config, grammar)
     except BaseException as exc:  # the replica reports it, and does not restart in a loop

@@ -25,12 +25,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from services import telemetry
 from services.engine import core_messages as msg
 from services.engine.admission import Prompt
 from services.engine.async_llm import EngineDeadError, RequestStream
@@ -64,7 +64,9 @@ class _Live:
 class _Process:
     """One core process and its end of the socket."""
 
-    def __init__(self, config: EngineConfig, grammar: dict[str, Any] | None) -> None:
+    def __init__(
+        self, config: EngineConfig, grammar: dict[str, Any] | None, settings: Any | None
+    ) -> None:
         from services.sandbox.process import PYTHON_FLAGS, SPAWNER, child_env
 
         env = child_env()  # our code first on its path; the replica's threads, not a worker's
@@ -82,7 +84,7 @@ class _Process:
         finally:
             theirs.close()
         self.conn = Connection(mine.detach())
-        self.conn.send((config, grammar))
+        self.conn.send((config, grammar, settings))
         self.lock = threading.Lock()
 
     @property
@@ -126,10 +128,14 @@ class CoreClient:
         calls: Any | None = None,
         timeout_s: float = 30.0,
         start_timeout_s: float = START_TIMEOUT_S,
+        telemetry_settings: Any | None = None,
     ) -> None:
         """`grammar`: the replica's grammar provider settings (core.grammar_factory), with
-        `calls` answering its verdicts; None: the core compiles grammars itself."""
+        `calls` answering its verdicts; None: the core compiles grammars itself.
+        `telemetry_settings`: the core exports its spans and hands its metrics over
+        (`metrics`) as the replica does."""
         self.config, self.grammar, self.calls = config, grammar, calls
+        self.telemetry_settings = telemetry_settings
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self._lock = threading.Lock()
         self._streams: dict[str, _Live] = {}
@@ -137,10 +143,7 @@ class CoreClient:
         self._calls_pool = ThreadPoolExecutor(4, thread_name_prefix="core-calls")
         self._closed = False
         self.restarts = 0
-        # the core's telemetry, from its heartbeats (services/engine/stats.py reads them)
-        self.numbers: dict[str, list[tuple[float, dict[str, str]]]] = {}
-        self.on_mask_fill: Callable[[float], None] | None = None
-        self.on_host_read: Callable[[float], None] | None = None
+        self.metrics: list[Any] = []  # the core's latest metrics snapshot (for the hub)
         self.state = "starting"
         self.reason = ""
         self._ready = threading.Event()
@@ -185,7 +188,8 @@ class CoreClient:
         request_id: str | None = None,
         tenant: str = "default",
     ) -> RequestStream:
-        """Sends a request to the core; must be called from a running event loop."""
+        """Sends a request to the core (with the current trace context); must be called from a
+        running event loop."""
         ids = self.front.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         with self._lock:
             self._check_open()
@@ -196,7 +200,8 @@ class CoreClient:
                 stream.put(ValueError(f"request_id: {request_id!r} is already running"))
                 return stream
             self._streams[request_id] = _Live(stream, msg.Totals(request_id, ids))
-            add = msg.Add(request_id, msg.ids_bytes(ids), msg.pickled(params), tenant)
+            carrier = telemetry.get().inject()
+            add = msg.Add(request_id, msg.ids_bytes(ids), msg.pickled(params), tenant, carrier)
             try:
                 self._proc.send(add)
             except OSError:  # the core died just now: the watchdog restarts it
@@ -257,7 +262,7 @@ class CoreClient:
             log.debug("engine core: a send failed", exc_info=True)
 
     def _start(self) -> msg.Ready:
-        proc = _Process(self.config, self.grammar)
+        proc = _Process(self.config, self.grammar, self.telemetry_settings)
         ready = proc.ready(self.start_timeout_s)
         self._heard = time.monotonic()
         threading.Thread(target=self._read, args=(proc,), name="core-reader", daemon=True).start()
@@ -286,26 +291,22 @@ class CoreClient:
             return  # the watchdog sees the process end
 
     def _beat(self, beat: msg.Beat) -> None:
-        self.numbers = beat.numbers
-        for hook, samples in (
-            (self.on_mask_fill, beat.mask_fill_s),
-            (self.on_host_read, beat.host_read_s),
-        ):
-            if hook is not None:
-                for seconds in samples:
-                    hook(seconds)
+        if beat.metrics:
+            self.metrics = msg.unpickled(beat.metrics)
 
     def _deliver(self, items: list[msg.Output]) -> None:
         for item in items:
             live = self._streams.get(item.request_id)
             if live is None:
                 continue
-            live.stream.put(live.totals.add(item))
-            if item.finished:
+            if item.finished:  # forgotten first: whoever reads the last output sees it gone
                 with self._lock:
                     self._streams.pop(item.request_id, None)
+            live.stream.put(live.totals.add(item))
 
     def _answer(self, proc: _Process, call: msg.Call) -> None:
+        tel = telemetry.get()
+        token = tel.attach(tel.extract(call.trace))  # the core's span: the service's parent
         try:
             value = getattr(self.calls, call.method)(*msg.unpickled(call.args))
             reply = msg.Reply(call.call, value=msg.pickled(value))
@@ -314,6 +315,8 @@ class CoreClient:
                 reply = msg.Reply(call.call, error=msg.pickled(exc))
             except Exception:  # an exception that does not pickle: its text does
                 reply = msg.Reply(call.call, error=msg.pickled(RuntimeError(repr(exc))))
+        finally:
+            tel.detach(token)
         with contextlib.suppress(OSError):
             proc.send(reply)
 

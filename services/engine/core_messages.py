@@ -47,6 +47,7 @@ class Add(msgspec.Struct, tag=True):
     prompt: bytes  # int32 token ids: the replica templated and tokenized
     params: bytes  # pickled SamplingParams
     tenant: str
+    trace: dict[str, str] = {}  # the replica's generate span: the core admits the request in it
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -96,18 +97,17 @@ class Outputs(msgspec.Struct, tag=True):
 
 
 class Beat(msgspec.Struct, tag=True):
-    """The loop is alive (a hang is time without beats), with its engine's telemetry."""
+    """The loop is alive (a hang is time without beats)."""
 
     steps: int  # steps run so far
-    numbers: dict[str, list[tuple[float, dict[str, str]]]]  # gauges.numbers
-    mask_fill_s: list[float]  # mask fills since the last beat
-    host_read_s: list[float]  # KV host-tier reads since the last beat
+    metrics: bytes = b""  # the core's metrics (pickled snapshot), at most once a second
 
 
 class Call(msgspec.Struct, tag=True):
     call: int
     method: str  # a VerdictSource method the replica runs on its grammar service handle
     args: bytes  # pickled tuple
+    trace: dict[str, str] = {}  # the calling span (a grammar's resolve): the call joins it
 
 
 class Failed(msgspec.Struct, tag=True):

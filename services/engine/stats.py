@@ -36,28 +36,16 @@ def kv_tier(engine: Any) -> Any | None:
 
 
 class EngineStats:
-    def __init__(
-        self, engine: Any | None, tel: telemetry.Telemetry | None = None, core: Any | None = None
-    ) -> None:
-        """`engine` in this process, or `core`: a `CoreClient`, whose heartbeats carry the
-        numbers and the mask-fill and host-read times of its engine (core.py)."""
+    def __init__(self, engine: Any | None, tel: telemetry.Telemetry | None = None) -> None:
+        """`engine` None: request timings only (an engine core in a process of its own reports
+        its numbers itself: core.py)."""
         self.engine: Any = engine
-        self.core = core
         self.tel = tel or telemetry.get()
         fam = self.tel.metrics
-        self._read: Any = None
-        if core is not None:
-            self._read = lambda: core.numbers
-        elif engine is not None:
-            self._read = lambda: numbers(engine)
-        self._sources = [(name, self._source(name)) for name in NAMES] if self._read else []
+        self._sources = [(name, self._source(name)) for name in NAMES] if engine is not None else []
         for name, source in self._sources:
             fam.observe(name, source)
-        if not self.tel.enabled:
-            return
-        if core is not None:
-            core.on_mask_fill, core.on_host_read = fam.mask_fill.record, fam.kv_host_read.record
-        elif engine is not None:
+        if self.tel.enabled and engine is not None:
             engine.grammars.on_mask_fill = fam.mask_fill.record
             if (tier := kv_tier(engine)) is not None:
                 tier.on_read = fam.kv_host_read.record
@@ -66,7 +54,7 @@ class EngineStats:
         """An observable source (called on the collecting thread: reads only)."""
 
         def source() -> Obs:
-            points = self._read().get(name, [])
+            points = numbers(self.engine).get(name, [])
             if name not in PREFIX_BY_TENANT:
                 return points
             counts: dict[str, float] = {}  # by the operator's labelling (none: one series)
@@ -134,8 +122,6 @@ class EngineStats:
     def close(self) -> None:
         for _, source in self._sources:
             self.tel.metrics.forget(source)
-        if self.core is not None:
-            self.core.on_mask_fill = self.core.on_host_read = None
         if self.engine is None:
             return
         if getattr(self.engine.grammars, "on_mask_fill", None) is not None:

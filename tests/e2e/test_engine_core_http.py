@@ -1,9 +1,9 @@
-"""The engine core in a process of its own (`llm.engine_process`), over HTTP with the real `openai`
-client: a second application beside the main one (whose engine runs on a replica thread, the
-plain twin) answers the same greedy requests with the same tokens, grammar verdicts fetched
-through the replica from the GrammarService; SIGKILL of its core mid-stream ends the stream with
-an error event within seconds, /healthz says "restarting", a request sent meanwhile waits and
-is answered, and the replica is healthy again after."""
+"""The engine core in a process of its own (`llm.engine_process`) against the engine on a replica
+thread (the plain twin), over HTTP with the real `openai` client: a second application beside
+the main one runs the other twin; both answer the same greedy requests with the same tokens
+(grammar verdicts fetched through the replica from the GrammarService). SIGKILL of the core
+mid-stream ends the stream with an error event within seconds, /healthz says "restarting", a
+request sent meanwhile waits and is answered, and the replica is healthy again after."""
 
 from __future__ import annotations
 
@@ -46,17 +46,18 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def apps(proxy, server):
-    """(the thread twin's client, the core app's client, the core app's base URL)."""
+    """(the thread twin's client, the core twin's client, the core twin's app name and base
+    URL): the main application's twin is the default's, the second one's the other."""
     from deployments.app import build_app
 
     base, serve = proxy
     redis.Redis.from_url(redis_url(13)).flushdb()
-    engine = small_config().llm.engine
+    main = small_config().llm
     cfg = small_config(
         redis_url=redis_url(13),
         llm=LLMConfig(
-            engine=engine,
-            engine_process=True,
+            engine=main.engine,
+            engine_process=not main.engine_process,
             engine_core_timeout_s=10.0,
             max_ongoing_requests=64,
             max_queued_requests=64,
@@ -67,25 +68,28 @@ def apps(proxy, server):
     serve.run(build_app(cfg), name="core", route_prefix="/core", blocking=False)
     wait_healthy(f"{base}/core")
     kw = {"api_key": KEY_A, "max_retries": 0, "timeout": 120}
-    yield (
-        openai.OpenAI(base_url=f"{server}/v1", **kw),
-        openai.OpenAI(base_url=f"{base}/core/v1", **kw),
-        f"{base}/core",
-    )
+    mine = openai.OpenAI(base_url=f"{base}/core/v1", **kw)
+    theirs = openai.OpenAI(base_url=f"{server}/v1", **kw)
+    if main.engine_process:
+        yield mine, theirs, "structserve", server
+    else:
+        yield theirs, mine, "core", f"{base}/core"
     serve.delete("core")
 
 
-def core_pids() -> list[int]:
-    """The engine core processes running now (only the core app has one)."""
+def core_pids(app: str) -> list[int]:
+    """The engine core processes of the application `app` (children of its LLM replica)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            title = Path(f"/proc/{parent}/cmdline").read_bytes()
+        except (OSError, IndexError):
             continue
-        if b"services.engine.core" in cmdline:
+        if b"services.engine.core" in cmdline and f":{app}:LLMReplica".encode() in title:
             found.append(int(entry.name))
     return found
 
@@ -113,7 +117,7 @@ def answer(client: openai.OpenAI, **kw):
     ids=["json-schema", "required-tool", "logprobs"],
 )
 def test_the_core_process_answers_as_the_engine_thread(apps, kw):
-    thread, core, _ = apps
+    thread, core, _, _ = apps
     want, got = answer(thread, **kw), answer(core, **kw)
     assert got.finish_reason == want.finish_reason
     assert got.message.content == want.message.content
@@ -127,8 +131,8 @@ def test_the_core_process_answers_as_the_engine_thread(apps, kw):
 
 
 def test_a_core_killed_mid_stream_ends_the_stream_and_comes_back(apps):
-    _, core, base = apps
-    (pid,) = core_pids()
+    _, core, app, base = apps
+    (pid,) = core_pids(app)
     stream = core.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Tell me a long story."}],
@@ -150,4 +154,4 @@ def test_a_core_killed_mid_stream_ends_the_stream_and_comes_back(apps):
     again = answer(core, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8)
     assert again.finish_reason == "length" and again.message.content
     assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
-    assert core_pids() and core_pids() != [pid]
+    assert core_pids(app) and core_pids(app) != [pid]

@@ -77,7 +77,10 @@ def stack(tel):
         ],
         # xgrammar's grammars: the spans and cache levels of the compile service's path
         llm=LLMConfig(
-            engine={"kv_cache_memory": 64 << 20, "max_num_seqs": 8, "grammar_backend": "xgrammar"}
+            engine={"kv_cache_memory": 64 << 20, "max_num_seqs": 8, "grammar_backend": "xgrammar"},
+            # this process's exporter sees the engine's spans on a thread here; those of a core
+            # process of its own are followed over HTTP (tests/e2e/test_observability.py)
+            engine_process=False,
         ),
         grammar=GrammarServiceConfig(workers=1, deadline_s=5.0),
     )
