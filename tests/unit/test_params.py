@@ -125,13 +125,14 @@ def test_http_kv_policy_reaches_the_engine_or_names_the_field():
 def test_a_replicas_kv_refusal_names_the_body_field(status):
     """The engine names `kv.*` (SamplingParams.kv); over HTTP the field is `kv_policy.*`."""
     from deployments.answers import engine_refusal
+    from deployments.wire import Delta
 
-    err = engine_refusal({"warnings": ["kv.offload: no host room"], "error_status": status})
+    err = engine_refusal(Delta.refusal("kv.offload: no host room", status))
     assert (err.status, err.param, str(err)) == (
         status,
         "kv_policy.offload",
         "kv_policy.offload: no host room",
     )
     assert err.reason == ("kv_tier_full" if status == 429 else None)
-    other = engine_refusal({"warnings": ["max_tokens: too many"], "error_status": 400})
+    other = engine_refusal(Delta.refusal("max_tokens: too many", 400))
     assert other.param == "max_tokens"
