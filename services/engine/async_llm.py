@@ -234,12 +234,7 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if req is None or stream is None or req.held:  # held: nothing of it may go out yet
             return
-        try:
-            self.engine.check_fault("output", req)
-            out = self.engine.make_output(req)
-        except Exception as exc:  # this request's output: it ends with an error, alone
-            log.warning("request %s: output failed (%r)", request_id, exc)
-            out = self.engine.error_output(req, f"output: internal error ({exc!r})"[:300])
+        out = self.engine.contained_output(req)
         stream.put(out)
         if out.finished:
             del self._streams[request_id]

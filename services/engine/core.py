@@ -228,12 +228,7 @@ class EngineCore:
             req = self.engine.requests.get(rid)
             if req is None or rid not in self.live or req.held:
                 continue
-            try:
-                self.engine.check_fault("output", req)
-                out = self.engine.make_output(req)
-            except Exception as exc:  # this request's output: it ends with an error, alone
-                log.warning("request %s: output failed (%r)", rid, exc)
-                out = self.engine.error_output(req, f"output: internal error ({exc!r})"[:300])
+            out = self.engine.contained_output(req)
             items.append(msg.output_of(out, self.live[rid]))
             self.live[rid] = len(out.logprobs or ())
             if out.finished:

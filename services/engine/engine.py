@@ -386,6 +386,16 @@ class LLMEngine:
         """A delta since the last call for this request, with the text and tokens so far."""
         return req.output()
 
+    def contained_output(self, req: Request) -> RequestOutput:
+        """`make_output`, or where making it fails, a last output ending this request alone
+        with an error (what the serving loops hand out)."""
+        try:
+            self.check_fault("output", req)
+            return self.make_output(req)
+        except Exception as exc:
+            log.warning("request %s: output failed (%r)", req.request_id, exc)
+            return self.error_output(req, f"output: internal error ({exc!r})"[:300])
+
     def error_output(self, req: Request, reason: str) -> RequestOutput:
         """A last output for a request whose own output could not be made (nothing of its
         state is read but what is plain data)."""
