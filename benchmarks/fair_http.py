@@ -249,7 +249,7 @@ async def weights_run(url: str, seconds: float) -> dict[str, Any]:
     }
 
 
-def deploy(port: int, engine_process: bool = False) -> str:
+def deploy(port: int, engine_process: bool = True) -> str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     import redis
@@ -307,7 +307,7 @@ def main() -> None:
     p.add_argument(
         "--engine-process",
         choices=["on", "off", "both"],
-        default="off",
+        default="on",
         help="llm.engine_process: the engine core in its own process; both: each twin in turn",
     )
     args = p.parse_args()

@@ -180,9 +180,10 @@ def start_service(port: int) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
 
-def deploy(telemetry: bool, engine_process: bool = False) -> None:
+def deploy(telemetry: bool, engine_process: bool = True, threads: int | None = None) -> None:
     """(Re)deploys the service, with telemetry on (sampling every request) or off, the engine
-    core in a process of its own or on a replica thread."""
+    core in a process of its own or on a replica thread, on `threads` torch threads (None: the
+    CPUs the replica may use)."""
     from ray import serve
 
     from deployments.app import build_app
@@ -195,7 +196,7 @@ def deploy(telemetry: bool, engine_process: bool = False) -> None:
 
     cfg = ServiceConfig(
         llm=LLMConfig(
-            engine={"kv_cache_memory": 512 << 20},
+            engine={"kv_cache_memory": 512 << 20, "num_threads": threads},
             max_ongoing_requests=64,
             engine_process=engine_process,
         ),
@@ -238,9 +239,10 @@ def main() -> None:
     p.add_argument(
         "--engine-process",
         choices=["on", "off", "both"],
-        default="off",
+        default="on",
         help="llm.engine_process: the engine core in its own process; both: each twin in turn",
     )
+    p.add_argument("--engine-threads", type=int, help="engine.num_threads (default: every CPU)")
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     url = args.url or f"http://127.0.0.1:{args.port}"
@@ -256,7 +258,7 @@ def main() -> None:
         for _ in range(args.repeats if len(modes) > 1 else 1):
             for mode in modes:
                 for twin in twins:
-                    deploy(mode == "on", twin == "on")
+                    deploy(mode == "on", twin == "on", args.engine_threads)
                     tag = mode if len(twins) == 1 else f"core={twin}"
                     result = http_levels(url, levels, plan, args.max_tokens, tag)
                     (runs[mode] if twin == twins[0] else cores).append(result)

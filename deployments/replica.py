@@ -132,7 +132,7 @@ class LLMReplica:
         model's dialect (services/engine/chat.py); when it may hold thinking or calls, the first
         delta carries how to split it (`answer`: the tag and the tool names) for the ingress."""
         try:  # off the event loop and the engine thread, after the character cap
-            prompt_ids = await self.llm.encode(prompt, messages, template, tenant)
+            prompt_ids = await self.llm.encoder.encode(prompt, messages, template, tenant)
             turn = None
             if answer is not None:
                 tools = (template or {}).get("tools")
@@ -214,7 +214,7 @@ class LLMReplica:
         tenant: str = "default",
     ) -> dict[str, Any]:
         try:
-            ids = await self.llm.encode(prompt, messages, template, tenant, route=True)
+            ids = await self.llm.encoder.encode(prompt, messages, template, tenant, route=True)
         except ValueError as exc:
             return {"error": str(exc)[:300], "status": getattr(exc, "status", 400)}
         limit = self.front.max_model_len

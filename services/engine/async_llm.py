@@ -89,17 +89,6 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="structserve-engine", daemon=True)
         self._thread.start()
 
-    async def encode(
-        self,
-        prompt: Prompt | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        template: dict[str, Any] | None = None,
-        tenant: str = "default",
-        route: bool = False,
-    ) -> list[int]:
-        """Token ids of a prompt or of chat messages (services/engine/encoding.py)."""
-        return await self.encoder.encode(prompt, messages, template, tenant, route)
-
     @property
     def front(self) -> LLMEngine:
         """What the replica reads of the model: tokenizer, limits (encoding.Front's names)."""

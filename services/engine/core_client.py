@@ -164,16 +164,6 @@ class CoreClient:
     def pid(self) -> int:
         return self._proc.pid
 
-    async def encode(
-        self,
-        prompt: Prompt | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        template: dict[str, Any] | None = None,
-        tenant: str = "default",
-        route: bool = False,
-    ) -> list[int]:
-        return await self.encoder.encode(prompt, messages, template, tenant, route)
-
     async def wait_ready(self, timeout_s: float) -> None:
         """Waits up to `timeout_s` for a restarting core; `EngineRestarting` when it is not back
         by then, `EngineDeadError` when it could not come back."""

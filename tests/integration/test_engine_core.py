@@ -72,9 +72,9 @@ def requests() -> list[tuple[Any, SamplingParams]]:
 
 async def run_one(llm: Any, prompt: Any, params: SamplingParams) -> Any:
     if isinstance(prompt, list):
-        ids = await llm.encode(messages=prompt, template={"add_generation_prompt": True})
+        ids = await llm.encoder.encode(messages=prompt, template={"add_generation_prompt": True})
     else:
-        ids = await llm.encode(prompt)
+        ids = await llm.encoder.encode(prompt)
     last = None
     async for out in llm.add_request(ids, params):
         last = out
@@ -120,7 +120,7 @@ def test_the_core_process_gives_every_request_the_same_tokens_as_the_engine_thre
 def test_a_dropped_stream_is_aborted_and_its_neighbours_go_on(core):
     async def main() -> tuple[int, Any]:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-        ids = await core.encode(STORY)
+        ids = await core.encoder.encode(STORY)
         victim = asyncio.create_task(run_one(core, STORY, SamplingParams(max_tokens=20)))
         dropped = 0
         for _ in range(6):  # open and drop streams beside the victim
@@ -167,7 +167,7 @@ def kill_mid_stream(core: CoreClient, kill: Any) -> tuple[float, list[Any]]:
         return None
 
     async def main() -> tuple[float, list[Any]]:
-        ids = await core.encode(STORY)
+        ids = await core.encoder.encode(STORY)
         tasks = [asyncio.create_task(one(ids)) for _ in range(3)]
         await asyncio.sleep(1.0)
         began = time.monotonic()
