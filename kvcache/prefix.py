@@ -29,9 +29,11 @@ from kvcache.pages import OutOfPages, PageAllocator, PagedKVCache
 Key = bytes
 
 
-def root_key(model: str, tenant: str, cache_salt: str | None) -> Key:
-    """The chain's start: `model` names the weights, KV dtype, page size and position scheme."""
-    scope = json.dumps([model, tenant, cache_salt]).encode()  # unambiguous: no separator games
+def root_key(model: str, tenant: str, cache_salt: str | None, adapter: str | None = None) -> Key:
+    """The chain's start: `model` names the weights, KV dtype, page size and position scheme;
+    a LoRA `adapter` changes every layer's keys and values, so it scopes the chain too."""
+    parts = [model, tenant, cache_salt] + ([adapter] if adapter is not None else [])
+    scope = json.dumps(parts).encode()  # unambiguous: no separator games
     return hashlib.blake2b(scope, digest_size=16).digest()
 
 

@@ -15,12 +15,21 @@ if TYPE_CHECKING:
         LLM,
         EngineConfig,
         KVPolicy,
+        LoRARequest,
         RequestOutput,
         SamplingParams,
         StructuredOutput,
     )
 
-__all__ = ["LLM", "EngineConfig", "KVPolicy", "RequestOutput", "SamplingParams", "StructuredOutput"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "KVPolicy",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutput",
+]
 
 
 def __getattr__(name: str) -> Any:

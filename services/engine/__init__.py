@@ -8,12 +8,14 @@ from services.engine.params import (
     SamplingParams,
     StructuredOutput,
 )
+from services.lora.manager import LoRARequest
 
 __all__ = [
     "LLM",
     "EngineConfig",
     "KVPolicy",
     "LLMEngine",
+    "LoRARequest",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

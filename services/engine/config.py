@@ -293,8 +293,31 @@ class SpeculationConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters on the base model (services/lora): vLLM's names and meanings."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in the slots at once (rows of that many in one step)
+    max_lora_rank: int = 16  # slots are this wide: a higher-rank adapter is refused
+    max_cpu_loras: int | None = None  # parked in host memory; None: max_loras
+    max_lora_bytes: int = 256 << 20  # an adapter's weights file
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("max_loras: >= 1; max_lora_rank: 1 to 512")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras: at least max_loras")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig(
-    RunnerConfig, CacheConfig, SchedulingConfig, GrammarConfig, SandboxConfig, SpeculationConfig
+    RunnerConfig,
+    CacheConfig,
+    SchedulingConfig,
+    GrammarConfig,
+    SandboxConfig,
+    SpeculationConfig,
+    LoRAConfig,
 ):
     """Every group at once, in the flat keyword form (see the module's doc)."""
 
@@ -304,6 +327,7 @@ class EngineConfig(
         self._check_scheduling()
         self._check_grammar()
         self._check_sandbox()
+        self._check_lora()
         self.speculative_config()
 
     # The groups, each a view of this one config (no copy: every field lives here once).

@@ -44,6 +44,7 @@ from services.engine.structured.masks import PendingMasks
 from services.engine.token_path import TokenPath
 from services.grammar.backends import for_model
 from services.grammar.provider import GrammarProvider, ProviderFactory
+from services.lora.manager import AdapterManager, LoRARequest
 from services.models import LoadedModel, eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler.for_engine(config, self.runner.kv.allocator, self.runner.device)
         if config.enable_prefix_caching:
             self.scheduler.prefix = PrefixCache.for_runner(self.runner)
+        self.scheduler.adapters = self.adapters = AdapterManager.on(self.runner.lora, config)
         self.sampler = Sampler(self.runner.device, config.seed)
         self.pool_tokens = pool_tokens = self.runner.kv.num_pages * config.page_size
         model_len = int(getattr(self.runner.model.config, "max_position_embeddings", pool_tokens))
@@ -140,9 +142,11 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         tenant: str = "default",
+        lora: LoRARequest | None = None,
     ) -> Request:
-        """Queues a request. One refused on its own comes back finished with an error (the
-        reason in `warnings`); only a duplicate `request_id` raises."""
+        """Queues a request (on adapter `lora`: services/lora). One refused on its own comes
+        back finished with an error (the reason in `warnings`); only a duplicate `request_id`
+        raises."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -153,15 +157,20 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, [], ()),
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             tenant=tenant,
+            lora_name=None if lora is None else lora.name,
         )
         self.requests[request_id] = req
         with self.boundary.request(req) as stage:
             stage("admit")
-            self._admit(req, prompt)
+            self._admit(req, prompt, lora)
         return req
 
-    def _admit(self, req: Request, prompt: Prompt) -> None:
+    def _admit(self, req: Request, prompt: Prompt, lora: LoRARequest | None = None) -> None:
         params = req.params
+        if lora is not None:  # read and checked here: a bad adapter fails its request alone
+            live = {r.lora_name for r in self.requests.values() if r.lora_name}
+            if refusal := AdapterManager.refusal(self.adapters, lora, live):
+                raise RequestError(refusal, status=400)
         try:
             req.prompt_token_ids = self.tokenize(prompt)
         except ValueError as exc:

@@ -10,6 +10,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, Prompt
 from services.engine.params import RequestOutput, SamplingParams
 from services.grammar.provider import GrammarProvider, ProviderFactory
+from services.lora.manager import LoRARequest
 from services.models import LoadedModel
 
 
@@ -39,8 +40,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in prompt order. `prompts`: strings or token-id lists (a single one is fine)."""
+        """Outputs in prompt order. `prompts`: strings or token-id lists (a single one is fine).
+        `lora_request`: one adapter for every prompt, or a list with one per prompt (None: the
+        base model); the engine needs `enable_lora=True`."""
         batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]
@@ -52,8 +56,12 @@ class LLM:
             params = [params] * len(batch)
         if len(params) != len(batch):
             raise ValueError(f"params: got {len(params)} for {len(batch)} prompts")
+        loras = _per_prompt(lora_request, len(batch))
         engine = self.engine
-        reqs = [engine.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
+        reqs = [
+            engine.add_request(p, sp, lora=lr)
+            for p, sp, lr in zip(batch, params, loras, strict=True)
+        ]
         while engine.has_unfinished():
             engine.step()
         outputs = [engine.make_output(r) for r in reqs]
@@ -70,6 +78,7 @@ class LLM:
         tool_choice: Any = "auto",
         parallel_tool_calls: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates. Each output
         carries its answer split in the model's dialect: `reasoning_text`, `content` and
@@ -95,5 +104,15 @@ class LLM:
             )
             for conv, sp in zip(convs, params, strict=True)
         ]
-        outs = self.generate([t.prompt for t in turns], [t.params for t in turns])
+        outs = self.generate([t.prompt for t in turns], [t.params for t in turns], lora_request)
         return [chat.read(t, o) for t, o in zip(turns, outs, strict=True)]
+
+
+def _per_prompt(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"lora_request: got {len(lora)} for {n} prompts")
+    return list(lora)

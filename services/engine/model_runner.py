@@ -15,6 +15,7 @@ from services import settings
 from services.engine.config import EngineConfig
 from services.engine.request import Request
 from services.engine.scheduler import ScheduledChunk
+from services.lora.layers import LoRASlots, lora_tokens
 from services.models import LoadedModel, fused, load_model, packed
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,12 @@ class ModelRunner:
             plain = not self.attention.layers
             lean = fused.for_model(self.model, plain, settings.cache_dir() / "kernels")
             self.fused = lean if lean is not None and self._agrees(lean) else None
+        # LoRA slots wrap the target linears last, over their packed products
+        self.lora = (
+            LoRASlots(self.model, config.max_loras, config.max_lora_rank)
+            if config.enable_lora
+            else None
+        )
 
     @torch.inference_mode()
     def _probe(self) -> variants.AttentionProfile:
@@ -152,6 +159,7 @@ class ModelRunner:
         """
         seqs = [_seq_slice(c) for c in chunks]
         token_ids: list[int] = []
+        slots: list[int] = []  # each token's LoRA slot (-1: the base model)
         sample_rows: list[int] = []
         scored: list[tuple[Request, list[int]]] = []  # prompt tokens predicted by this step's rows
         score_rows: list[int] = []
@@ -159,6 +167,7 @@ class ModelRunner:
             offset = len(token_ids)
             token_ids.extend(c.request.token_ids[c.start : c.start + c.num_tokens])
             token_ids.extend(c.draft)  # speculative: every drafted position samples too
+            slots.extend([c.request.lora_slot] * (len(token_ids) - offset))
             if c.samples:
                 sample_rows.extend(range(len(token_ids) - 1 - len(c.draft), len(token_ids)))
             req = c.request
@@ -173,8 +182,12 @@ class ModelRunner:
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
+        lora: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         forward = self.fused or self._transformers_forward
-        with attention.stepping(batch), self._products():
+        if self.lora is not None and max(slots) >= 0:
+            lora = lora_tokens(torch.tensor(slots, device=self.device))
+            forward = self._transformers_forward  # the fused one bypasses the adapters' linears
+        with attention.stepping(batch), self._products(), lora:
             logits = forward(input_ids, position_ids, keep)
         if scored:
             _record_prompt_logprobs(logits[len(sample_rows) :], scored)

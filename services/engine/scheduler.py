@@ -33,6 +33,7 @@ from services.engine.config import EngineConfig, SchedulingConfig
 from services.engine.fairness import FairShares
 from services.engine.prefix_cache import PrefixCache
 from services.engine.request import Request, RequestStatus
+from services.lora.manager import AdapterManager
 
 NEWCOMER_GAP = 8  # steps between two newcomer steps of one tenant
 
@@ -85,6 +86,8 @@ class Scheduler:
         self.reclaim: Callable[[int], int] | None = None
         # automatic prefix caching (None: off): a request starts from its cached prefix
         self.prefix: PrefixCache | None = None
+        # LoRA adapters' slots (None: off): a request holds its adapter's slot while running
+        self.adapters: AdapterManager | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -268,7 +271,13 @@ class Scheduler:
                 n = budget
             n = self._capped(req, n)
             fits = n <= budget or not out.chunks  # unchunked: a long prompt runs alone, not never
+            if n and fits and not self._take_slot(req):  # its adapter waits for a free slot
+                if self.prefix is not None:
+                    self.prefix.unmap(req)
+                capped.add(id(req))
+                continue
             if n == 0 or not fits or not self._reserve_pages(req, req.num_cached_tokens + n):
+                self._drop_slot(req)
                 if self.prefix is not None:
                     self.prefix.unmap(req)
                 if n == 0:
@@ -282,6 +291,18 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
+
+    def _take_slot(self, req: Request) -> bool:
+        if req.lora_name is None or self.adapters is None:
+            return True
+        slot = self.adapters.acquire(req.lora_name)
+        req.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def _drop_slot(self, req: Request) -> None:
+        if req.lora_slot >= 0 and self.adapters is not None and req.lora_name is not None:
+            self.adapters.release(req.lora_name)
+        req.lora_slot = -1
 
     def _add_drafts(self, out: SchedulerOutput) -> None:
         """Decode chunks take their request's draft (speculative decoding) in what is left of
@@ -372,5 +393,6 @@ class Scheduler:
         # ids past the pool name parked pages (host tier): `on_release` frees those
         self.allocator.free([p for p in req.pages if p < self.allocator.num_pages])
         req.pages = []
+        self._drop_slot(req)
         if self.on_release is not None:
             self.on_release(req)

@@ -17,7 +17,7 @@ CORE = ("services", "kvcache", "grammar_registry", "deployments")
 LAYERS = (
     {"services", "services.settings", "grammar_registry"},
     {"kvcache", "services.telemetry", "services.sandbox"},
-    {"services.models"},
+    {"services.models", "services.lora"},  # the model, and adapters on it
     {"services.grammar", "services.dialects"},  # grammars, and answers in a dialect (README)
     {"services.compiler"},
     {"services.engine"},

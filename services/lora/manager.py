@@ -1,0 +1,116 @@
+"""Which adapters an engine knows, which sit in its slots, and which requests hold them.
+
+An adapter is read and checked once (`register`, services/lora/adapter.py) and parked in host
+memory; up to `max_cpu_loras` stay parked (least recently used leave first). A request takes a
+slot when it is admitted (`acquire`): its adapter's slot if resident, else a free slot or the
+least recently used one no running request holds, loaded from host memory. With every slot held by
+other adapters the request waits in the queue (the scheduler skips it, as vLLM's does), so a step
+never needs more than `max_loras` adapters. `release` at finish or preemption.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.lora.adapter import Adapter, Limits, inspect_adapter
+from services.lora.layers import LoRASlots
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for a request: `name` identifies it (prefix caching and slots go by it),
+    `path` is its PEFT folder (`adapter_config.json` + `adapter_model.safetensors`)."""
+
+    name: str
+    path: str
+
+
+class AdapterManager:
+    def __init__(self, slots: LoRASlots, max_cpu_loras: int, max_bytes: int) -> None:
+        self.slots = slots
+        self.max_cpu_loras = max(max_cpu_loras, slots.max_loras)
+        self.limits = Limits(max_rank=slots.max_rank, max_bytes=max_bytes)
+        self.parked: OrderedDict[str, tuple[str, Adapter]] = OrderedDict()  # name -> (path, ..)
+        self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, LRU first
+        self.holders: dict[str, int] = {}  # name -> running requests holding its slot
+        self.loads = 0
+
+    @classmethod
+    def on(cls, slots: LoRASlots | None, config: Any) -> AdapterManager | None:
+        """The manager of a runner's slots (None without LoRA), sized by an EngineConfig."""
+        if slots is None:
+            return None
+        return cls(slots, config.max_cpu_loras or config.max_loras, config.max_lora_bytes)
+
+    @staticmethod
+    def refusal(manager: AdapterManager | None, lora: LoRARequest, keep: set[str]) -> str | None:
+        """Registers `lora` with `manager`, or why it cannot be served (a 400's message)."""
+        if manager is None:
+            return "lora_request: this engine has no adapters (start it with enable_lora)"
+        try:
+            manager.register(lora, keep)
+        except ValueError as exc:
+            return f"lora_request: {exc}"
+        return None
+
+    def register(self, lora: LoRARequest, keep: frozenset[str] | set[str] = frozenset()) -> None:
+        """Reads and checks the adapter unless it is parked from the same path; `AdapterError`
+        (a ValueError naming the field) when it is wrong for this model. The adapters in `keep`
+        (named by requests not yet finished) stay parked."""
+        known = self.parked.get(lora.name)
+        if known is not None and known[0] == lora.path:
+            self.parked.move_to_end(lora.name)
+            return
+        if known is not None and (self.holders.get(lora.name) or lora.name in keep):
+            raise ValueError(f"lora_request: {lora.name!r} is in use with another path")
+        adapter = inspect_adapter(Path(lora.path), self.slots.shape, self.limits)
+        self._forget_slot(lora.name)  # a new path under an old name: its slot is stale
+        self.parked[lora.name] = (lora.path, adapter)
+        self.parked.move_to_end(lora.name)
+        while len(self.parked) > self.max_cpu_loras:
+            name = next((n for n in self.parked if not self.holders.get(n) and n not in keep), None)
+            if name is None:
+                break
+            del self.parked[name]
+            self._forget_slot(name)
+
+    def acquire(self, name: str) -> int | None:
+        """The slot for a request of adapter `name`, loading it if needed; None: every slot
+        is held by another adapter's running requests (the request waits)."""
+        slot = self.resident.get(name)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            self.slots.load(slot, self.parked[name][1])
+            self.loads += 1
+            self.resident[name] = slot
+        self.resident.move_to_end(name)
+        self.holders[name] = self.holders.get(name, 0) + 1
+        return slot
+
+    def release(self, name: str) -> None:
+        left = self.holders.get(name, 0) - 1
+        if left > 0:
+            self.holders[name] = left
+        else:
+            self.holders.pop(name, None)
+
+    def _free_slot(self) -> int | None:
+        used = set(self.resident.values())
+        free = [s for s in range(self.slots.max_loras) if s not in used]
+        if free:
+            return free[0]
+        for name, slot in self.resident.items():  # least recently used first
+            if not self.holders.get(name):
+                del self.resident[name]
+                return slot
+        return None
+
+    def _forget_slot(self, name: str) -> None:
+        slot = self.resident.pop(name, None)
+        if slot is not None:
+            self.slots.clear(slot)
