@@ -168,9 +168,10 @@ class LLMEngine:
     def _admit(self, req: Request, prompt: Prompt, lora: LoRARequest | None = None) -> None:
         params = req.params
         if lora is not None:  # read and checked here: a bad adapter fails its request alone
-            live = {r.lora_name for r in self.requests.values() if r.lora_name}
+            live = {r.lora_name for r in self.requests.values() if r.lora_name and r is not req}
             if refusal := AdapterManager.refusal(self.adapters, lora, live):
                 raise RequestError(refusal, status=400)
+            req.lora_scope = self.adapters.scope(lora.name)  # type: ignore[union-attr]
         try:
             req.prompt_token_ids = self.tokenize(prompt)
         except ValueError as exc:

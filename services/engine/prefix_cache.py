@@ -58,7 +58,7 @@ class PrefixCache:
         """At admission: the request's root, or none when its KV policy rewrites pages."""
         state = req.kv_state
         if state is None or state.impl.shares_pages:
-            req.cache_root = root_key(self.model, req.tenant, req.params.cache_salt, req.lora_name)
+            req.cache_root = root_key(self.model, req.tenant, req.params.cache_salt, req.lora_scope)
 
     def step(self, running: list[Request]) -> None:
         """At the start of a step: pages the last one filled are offered, and the prompt pages

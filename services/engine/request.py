@@ -77,8 +77,10 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     tenant: str = "default"  # scopes registered grammars and compile quotas
-    # its LoRA adapter (services/lora), and the slot it holds while running (-1: none)
+    # its LoRA adapter (services/lora), which weights (prefix-cache scope), and the slot it
+    # holds while running (-1: none)
     lora_name: str | None = None
+    lora_scope: str | None = None
     lora_slot: int = -1
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.lora.adapter import Adapter, Limits, inspect_adapter
+from services.lora.adapter import WEIGHTS, Adapter, Limits, inspect_adapter
 from services.lora.layers import LoRASlots
 
 
@@ -33,7 +33,8 @@ class AdapterManager:
         self.slots = slots
         self.max_cpu_loras = max(max_cpu_loras, slots.max_loras)
         self.limits = Limits(max_rank=slots.max_rank, max_bytes=max_bytes)
-        self.parked: OrderedDict[str, tuple[str, Adapter]] = OrderedDict()  # name -> (path, ..)
+        # name -> (which weights: `_identity`, the checked adapter), least recently used first
+        self.parked: OrderedDict[str, tuple[str, Adapter]] = OrderedDict()
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, LRU first
         self.holders: dict[str, int] = {}  # name -> running requests holding its slot
         self.loads = 0
@@ -61,21 +62,28 @@ class AdapterManager:
         (a ValueError naming the field) when it is wrong for this model. The adapters in `keep`
         (named by requests not yet finished) stay parked."""
         known = self.parked.get(lora.name)
-        if known is not None and known[0] == lora.path:
+        identity = _identity(Path(lora.path))
+        if known is not None and known[0] == identity:
             self.parked.move_to_end(lora.name)
             return
         if known is not None and (self.holders.get(lora.name) or lora.name in keep):
-            raise ValueError(f"lora_request: {lora.name!r} is in use with another path")
+            raise ValueError(f"{lora.name!r} is in use with other weights")
         adapter = inspect_adapter(Path(lora.path), self.slots.shape, self.limits)
-        self._forget_slot(lora.name)  # a new path under an old name: its slot is stale
-        self.parked[lora.name] = (lora.path, adapter)
+        self._forget_slot(lora.name)  # new weights under an old name: its slot is stale
+        self.parked[lora.name] = (identity, adapter)
         self.parked.move_to_end(lora.name)
         while len(self.parked) > self.max_cpu_loras:
-            name = next((n for n in self.parked if not self.holders.get(n) and n not in keep), None)
+            spare = (n for n in self.parked if not self.holders.get(n) and n not in keep)
+            name = next((n for n in spare if n != lora.name), None)
             if name is None:
                 break
             del self.parked[name]
             self._forget_slot(name)
+
+    def scope(self, name: str) -> str:
+        """What prefix-cache chains of `name` are scoped by: its name and which weights (new
+        weights under the same name never meet the old ones' cached pages)."""
+        return f"{name}@{self.parked[name][0]}"
 
     def acquire(self, name: str) -> int | None:
         """The slot for a request of adapter `name`, loading it if needed; None: every slot
@@ -114,3 +122,13 @@ class AdapterManager:
         slot = self.resident.pop(name, None)
         if slot is not None:
             self.slots.clear(slot)
+
+
+def _identity(folder: Path) -> str:
+    """Which weights a folder holds now: its resolved path and the weights file's change time
+    and size (a file rewritten in place is another adapter)."""
+    try:
+        st = (folder / WEIGHTS).stat()
+    except OSError:
+        return str(folder)  # inspect_adapter says what is missing
+    return f"{folder.resolve()}:{st.st_mtime_ns}:{st.st_size}"

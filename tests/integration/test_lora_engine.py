@@ -98,7 +98,7 @@ def test_mixed_batches_equal_the_merged_adapters(setup, engine):
         assert out.token_ids == refs[name][i % len(PROMPTS)], (name, i)
 
 
-def test_no_prefix_hit_across_adapters(setup):
+def test_no_prefix_hit_across_adapters_or_their_weights(setup):
     base, folders, refs = setup
     llm = LLM(loaded=copy.deepcopy(base), kv_cache_memory=64 << 20, enable_lora=True)
     long = PROMPTS[2]
@@ -108,6 +108,9 @@ def test_no_prefix_hit_across_adapters(setup):
     (tuned,) = llm.generate(long, GREEDY, LoRARequest("first", str(folders["first"])))
     assert tuned.metrics.num_cached_tokens == 0
     assert tuned.token_ids == refs["first"][2] and plain.token_ids == refs[None][2]
+    # the same name on other weights: read again, and never given the old weights' pages
+    (swapped,) = llm.generate(long, GREEDY, LoRARequest("first", str(folders["second"])))
+    assert swapped.metrics.num_cached_tokens == 0 and swapped.token_ids == refs["second"][2]
 
 
 def test_a_bad_adapter_is_refused_beside_a_victim(setup, tmp_path):
