@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,14 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+async def sse_events(response: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style SSE stream (an aiohttp response), `[DONE]` left out."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def http_level(url: str, reqs: list[dict], concurrency: int, max_tokens: int) -> dict:
     import aiohttp
 
@@ -111,11 +119,7 @@ async def http_level(url: str, reqs: list[dict], concurrency: int, max_tokens: i
                 statuses.append(r.status)
                 if r.status != 200:
                     return
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_events(r):
                     if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                         tick()
 

@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving import KEY, RESULTS, SCHEMA, TOPICS, deploy, start_service
+from serving import KEY, RESULTS, SCHEMA, TOPICS, deploy, sse_events, start_service
 
 
 def _fn(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
@@ -72,11 +72,7 @@ async def level(url: str, kind: str, n: int, concurrency: int, max_tokens: int) 
             post = session.post(f"{url}/v1/chat/completions", json=payload, headers=headers)
             async with post as r:
                 statuses.append(r.status)
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_events(r):
                     if chunk.get("usage"):
                         tokens[0] += chunk["usage"]["completion_tokens"]
                     if chunk.get("structserve", {}).get("validated"):

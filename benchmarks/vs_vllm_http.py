@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import SCHEMA, TOPICS, Latencies, pct
+from serving import SCHEMA, TOPICS, Latencies, pct, sse_events
 from tool_calls import TOOLS
 from vs_vllm import PYTHONS, RESULTS, ROOT, engine_env, log
 
@@ -114,11 +114,7 @@ async def level(url: str, reqs: list[dict], concurrency: int) -> dict:
                 if r.status != 200:
                     texts[i] = f"<{r.status}>"
                     return
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_events(r):
                     if chunk.get("usage"):
                         tokens[0] += chunk["usage"]["completion_tokens"]
                     text = piece(chunk["choices"][0]["delta"]) if chunk.get("choices") else ""

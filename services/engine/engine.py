@@ -169,9 +169,11 @@ class LLMEngine:
         params = req.params
         if lora is not None:  # read and checked here: a bad adapter fails its request alone
             live = {r.lora_name for r in self.requests.values() if r.lora_name and r is not req}
-            if refusal := AdapterManager.refusal(self.adapters, lora, live):
+            if self.adapters is None:
+                raise RequestError("lora_request: start the engine with enable_lora", 400)
+            if refusal := self.adapters.refusal(lora, live):
                 raise RequestError(refusal, status=400)
-            req.lora_scope = self.adapters.scope(lora.name)  # type: ignore[union-attr]
+            req.lora_scope = self.adapters.scope(lora.name)
         try:
             req.prompt_token_ids = self.tokenize(prompt)
         except ValueError as exc:

@@ -159,7 +159,7 @@ class ModelRunner:
         """
         seqs = [_seq_slice(c) for c in chunks]
         token_ids: list[int] = []
-        slots: list[int] = []  # each token's LoRA slot (-1: the base model)
+        slots: list[int] = []  # with LoRA on, each token's slot (-1: the base model)
         sample_rows: list[int] = []
         scored: list[tuple[Request, list[int]]] = []  # prompt tokens predicted by this step's rows
         score_rows: list[int] = []
@@ -167,7 +167,8 @@ class ModelRunner:
             offset = len(token_ids)
             token_ids.extend(c.request.token_ids[c.start : c.start + c.num_tokens])
             token_ids.extend(c.draft)  # speculative: every drafted position samples too
-            slots.extend([c.request.lora_slot] * (len(token_ids) - offset))
+            if self.lora is not None:
+                slots.extend([c.request.lora_slot] * (len(token_ids) - offset))
             if c.samples:
                 sample_rows.extend(range(len(token_ids) - 1 - len(c.draft), len(token_ids)))
             req = c.request
@@ -184,7 +185,7 @@ class ModelRunner:
         keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
         lora: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         forward = self.fused or self._transformers_forward
-        if self.lora is not None and max(slots) >= 0:
+        if slots and max(slots) >= 0:
             lora = lora_tokens(torch.tensor(slots, device=self.device))
             forward = self._transformers_forward  # the fused one bypasses the adapters' linears
         with attention.stepping(batch), self._products(), lora:

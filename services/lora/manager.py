@@ -46,13 +46,10 @@ class AdapterManager:
             return None
         return cls(slots, config.max_cpu_loras or config.max_loras, config.max_lora_bytes)
 
-    @staticmethod
-    def refusal(manager: AdapterManager | None, lora: LoRARequest, keep: set[str]) -> str | None:
-        """Registers `lora` with `manager`, or why it cannot be served (a 400's message)."""
-        if manager is None:
-            return "lora_request: this engine has no adapters (start it with enable_lora)"
+    def refusal(self, lora: LoRARequest, keep: set[str]) -> str | None:
+        """Registers `lora`, or why it cannot be served (a 400's message)."""
         try:
-            manager.register(lora, keep)
+            self.register(lora, keep)
         except ValueError as exc:
             return f"lora_request: {exc}"
         return None

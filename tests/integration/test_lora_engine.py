@@ -5,16 +5,14 @@ for every adapter at once, speculation on, and no prefix-cache hit across adapte
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from services import LLM, LoRARequest, SamplingParams
-from services.lora.adapter import ATTENTION, BaseShape
 from services.models import load_model
+from tests.lora_adapters import write_peft
 
 PROMPTS = [
     "The capital of France is",
@@ -26,22 +24,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def write_adapter(folder: Path, config, rank: int, targets: tuple[str, ...], seed: int) -> Path:
-    """A PEFT folder with weights large enough to change the greedy text."""
-    g = torch.Generator().manual_seed(seed)
-    dims = BaseShape.of(config).dims
-    tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for module in targets:
-            d_in, d_out = dims[module]
-            kind = "self_attn" if module in ATTENTION else "mlp"
-            stem = f"base_model.model.model.layers.{layer}.{kind}.{module}"
-            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
-            tensors[f"{stem}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.05
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    peft = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets)}
-    (folder / "adapter_config.json").write_text(json.dumps(peft))
-    return folder
+    """Weights large enough to change the greedy text."""
+    return write_peft(folder, config, rank, targets, seed=seed)
 
 
 def merged_llm(base, folder: Path) -> LLM:

@@ -3,14 +3,12 @@ before anything reads more than its header; a good one comes back with its weigh
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from services.lora.adapter import (
     AdapterError,
@@ -19,43 +17,25 @@ from services.lora.adapter import (
     inspect_adapter,
     resolve,
 )
+from tests.lora_adapters import write_peft
 
 # SmolLM2-135M's shapes: 576 hidden, 9 heads of 64, 3 KV heads, 1536 MLP, 30 layers
-BASE = BaseShape.of(
-    SimpleNamespace(
-        hidden_size=576,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-    )
+SMOL = SimpleNamespace(
+    hidden_size=576,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    num_hidden_layers=30,
 )
+BASE = BaseShape.of(SMOL)
 LIMITS = Limits(max_rank=16, max_bytes=4 << 20)
 
 
 def write(folder: Path, rank: int = 4, targets=("q_proj", "v_proj"), layers=(0, 1), **over):
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": list(targets),
-    }
-    config |= over.pop("config", {})
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    tensors = {}
-    for layer in layers:
-        for module in targets:
-            d_in, d_out = BASE.dims[module]
-            kind = (
-                "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            )
-            stem = f"base_model.model.model.layers.{layer}.{kind}.{module}"
-            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, d_in) * 0.01
-            tensors[f"{stem}.lora_B.weight"] = torch.randn(d_out, rank) * 0.01
-    tensors |= over.pop("tensors", {})
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    return folder
+    return write_peft(
+        folder, SMOL, rank, targets, layers=layers, alpha=2 * rank,
+        extra_config=over.get("config"), extra_tensors=over.get("tensors"),
+    )  # fmt: skip
 
 
 def refused(folder: Path, field: str, words: str) -> None:

@@ -3,30 +3,17 @@ held by other adapters, and the least recently used unheld adapter leaves first.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import torch
-from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
-from services.lora.adapter import BaseShape
 from services.lora.layers import LoRASlots
 from services.lora.manager import AdapterManager, LoRARequest
+from tests.lora_adapters import write_peft
 from tests.unit.test_lora_layers import CONFIG
 
 
 def adapter(folder, rank=4):
-    folder.mkdir()
-    d_in, d_out = BaseShape.of(CONFIG).dims["q_proj"]
-    stem = "base_model.model.model.layers.0.self_attn.q_proj"
-    tensors = {
-        f"{stem}.lora_A.weight": torch.ones(rank, d_in),
-        f"{stem}.lora_B.weight": torch.ones(d_out, rank),
-    }
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"r": rank, "lora_alpha": rank, "target_modules": ["q_proj"]}
-    (folder / "adapter_config.json").write_text(json.dumps(config))
+    write_peft(folder, CONFIG, rank, ("q_proj",), layers=(0,))
     return LoRARequest(folder.name, str(folder))
 
 
