@@ -52,6 +52,7 @@ REASONS_429 = (
     "grammar_busy",  # the compile service is at its limit (for everyone, or for this tenant)
     "kv_tier_full",  # the KV host tier has no room for the tenant's pages now
     "registrations_cap",  # the tenant's grammar registrations are at their cap (delete some)
+    "adapters_cap",  # the tenant's adapter registrations (count or bytes) are at their cap
 )
 
 KINDS = {

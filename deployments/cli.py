@@ -70,11 +70,34 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
             llm[name] = getattr(args, name)
     if getattr(args, "engine_process", None) is not None:
         llm["engine_process"] = args.engine_process
+    lora(args, raw, llm)
     raw["llm"] = llm
     ingress = dict(raw.get("ingress", {}))
     ingress.update({"port": args.port or ingress.get("port", 8000), "host": args.host})
     raw["ingress"] = ingress
     return ServiceConfig.model_validate(raw)
+
+
+def lora(args: argparse.Namespace, raw: dict[str, Any], llm: dict[str, Any]) -> None:
+    """vLLM's LoRA flags, into `llm.engine` and `adapters`."""
+    engine = dict(llm.get("engine", {}))
+    adapters = dict(raw.get("adapters", {}))
+    if getattr(args, "lora_modules", None) or getattr(args, "adapter_store", None):
+        engine["enable_lora"] = True
+    for name in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"):
+        if getattr(args, name, None):
+            engine[name] = getattr(args, name)
+    for item in getattr(args, "lora_modules", None) or []:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            raise SystemExit(f"--lora-modules: {item!r} is not name=path")
+        adapters.setdefault("modules", {})[name] = folder
+    if getattr(args, "adapter_store", None):
+        adapters["store"] = args.adapter_store
+    if engine:
+        llm["engine"] = engine
+    if adapters:
+        raw["adapters"] = adapters
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -174,6 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run each replica's engine core in a process of its own (llm.engine_process)",
     )
+    s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    s.add_argument("--max-loras", type=int, help="adapters in one step (default 1)")
+    s.add_argument("--max-lora-rank", type=int, help="the highest adapter rank (default 16)")
+    s.add_argument("--max-cpu-loras", type=int, help="adapters parked in host memory")
+    s.add_argument(
+        "--lora-modules", nargs="+", metavar="NAME=PATH", help="adapters for every tenant"
+    )
+    store_help = "where tenants' adapters are registered from: a folder or s3://bucket/prefix"
+    s.add_argument("--adapter-store", help=store_help)
     s.add_argument("--verbose", action="store_true", help="show Ray's logs")
     k = sub.add_parser("keys", help="add, revoke or list API keys kept in Redis")
     where = f"the service's Redis (default: REDIS_URL, else {LOCAL_REDIS})"

@@ -24,7 +24,8 @@ from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import grammar_api, openapi, responses, tools
+from deployments import adapter_api, grammar_api, openapi, responses, tools
+from deployments.adapter_api import AdapterRef, AdapterRegistration, Adapters
 from deployments.answers import ApiError, cancel, collect, engine_refusal, error_response, sse
 from deployments.edge import ReleasingStream, check_metrics_token
 from deployments.gate import Gate
@@ -81,6 +82,7 @@ openapi.install(
         "/v1/completions": CompletionRequest,
         "/v1/responses": ResponsesRequest,
         "/v1/grammars": GrammarRegistration,
+        "/v1/adapters": AdapterRegistration,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
     },
@@ -106,8 +108,10 @@ class Ingress:
         self.llm = llm
         self.grammar = grammar
         self.hub = hub
-        self.tenants = Tenants(self.config, default_key, redis_client(self.config.redis_url))
+        redis = redis_client(self.config.redis_url)
+        self.tenants = Tenants(self.config, default_key, redis)
         self.gate = Gate(self.config, self.tenants, llm)
+        self.adapters = Adapters(self.config, redis, llm)
         self.metrics_token = settings.metrics_token()
 
     # -- plumbing ------------------------------------------------------------------------
@@ -143,19 +147,22 @@ class Ingress:
         await self.gate.check_prompt(messages=messages)
         return None, messages, template, tools.answer_of(body)
 
-    def _stream(self, obs: RequestObs, inputs: Any, params: Any, index: int, rid: str) -> Any:
-        if params.seed is not None and index:
-            params = replace(params, seed=params.seed + index)
+    def _stream(
+        self, obs: RequestObs, inputs: Any, params: Any, i: int, rid: str, lora: AdapterRef | None
+    ) -> Any:
+        if params.seed is not None and i:
+            params = replace(params, seed=params.seed + i)
         prompt, messages, template, answer = inputs
         return self.llm.options(stream=True).generate.remote(
             prompt,
             messages,
             params,
             obs.tenant,
-            engine_id(rid, index),
+            engine_id(rid, i),
             obs.carrier,
             template,
             answer,
+            lora,
         )
 
     async def _first(self, stream: Any) -> Delta:
@@ -212,14 +219,14 @@ class Ingress:
         chat = kind != "completions"
         try:
             body, asked = await self._body(request, kind)
-            self.gate.check_model(body.model)
+            lora = await self.adapters.resolve(tenant, body.model)  # None: the base model
             params = self._params(tenant, body)
             prefix = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}[kind]
             rid = new_id(prefix, client_request_id(request.headers))
             obs.describe(body, params, rid, self.config.served_model_name)
             inputs = await self._inputs(body)
             await self.gate.admit(tenant, lease, body.n - 1)
-            streams = [self._stream(obs, inputs, params, i, rid) for i in range(body.n)]
+            streams = [self._stream(obs, inputs, params, i, rid, lora) for i in range(body.n)]
             firsts = await asyncio.gather(*(self._first(s) for s in streams))
             if body.stream:
                 release = functools.partial(self.tenants.release, lease)
@@ -243,11 +250,17 @@ class Ingress:
     # -- the rest ------------------------------------------------------------------------
 
     async def models(self, request: Request) -> JSONResponse:
-        await self.gate.tenant(request)
+        """The base model, its aliases, and the adapters this tenant may name (its own and the
+        operator's), each with the base as `parent` (vLLM's listing)."""
+        tenant = await self.gate.tenant(request)
         names = (self.config.served_model_name, *self.config.model_aliases)
         data = [
             {"id": n, "object": "model", "created": 0, "owned_by": "structserve"} for n in names
         ]
+        for a in await self.adapters.models(tenant):
+            owner = "structserve" if a.operator else tenant
+            entry = {"id": a.name, "object": "model", "created": int(a.created), "owned_by": owner}
+            data.append({**entry, "parent": names[0]})
         return JSONResponse({"object": "list", "data": data})
 
     async def tokenize(self, request: Request) -> JSONResponse:
@@ -327,6 +340,30 @@ class Ingress:
     @app.delete("/v1/grammars/{grammar_id}")
     async def delete_one_grammar(self, request: Request, grammar_id: str) -> JSONResponse:
         return await grammar_api.delete(self.gate, self.grammar, request, grammar_id)
+
+    @app.post("/v1/adapters")
+    async def post_adapter(self, request: Request) -> JSONResponse:
+        return await adapter_api.register(self.gate, self.adapters, request)
+
+    @app.get("/v1/adapters")
+    async def get_adapters(self, request: Request) -> JSONResponse:
+        return await adapter_api.listed(self.gate, self.adapters, request, None)
+
+    @app.get("/v1/adapters/{name}")
+    async def get_one_adapter(self, request: Request, name: str) -> JSONResponse:
+        return await adapter_api.listed(self.gate, self.adapters, request, name)
+
+    @app.delete("/v1/adapters/{name}")
+    async def delete_one_adapter(self, request: Request, name: str) -> JSONResponse:
+        return await adapter_api.delete(self.gate, self.adapters, request, name)
+
+    @app.post("/v1/load_lora_adapter")  # vLLM's names for the same
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await adapter_api.load_lora(self.gate, self.adapters, request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await adapter_api.unload_lora(self.gate, self.adapters, request)
 
     @app.get("/healthz")
     async def health(self) -> JSONResponse:

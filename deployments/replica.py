@@ -23,6 +23,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Status, StatusCode
 
 from deployments import logprobs
+from deployments.adapter_api import AdapterRef, store_of
 from deployments.grammar_service import RemoteVerdicts
 from deployments.service_config import ServiceConfig
 from deployments.telemetry_hub import Pusher, settings_from, setup
@@ -38,6 +39,10 @@ from services.engine.params import RequestOutput, SamplingParams
 from services.engine.stats import EngineStats
 from services.grammar.backends import Backends
 from services.grammar.provider import GrammarProvider, ProviderFactory
+from services.lora.adapter import BaseShape
+from services.lora.manager import LoRARequest
+from services.lora.store import StoreUnavailable
+from services.models.loader import resolve_model_dir
 from services.telemetry import spans
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,18 @@ def service_provider(cfg: ServiceConfig, grammar_handle: Any) -> ProviderFactory
         return ServiceGrammarProvider(xgrammar, remote, local=local, share_inline=share)
 
     return make
+
+
+def lora_limits(cfg: ServiceConfig, engine: EngineConfig) -> dict[str, Any]:
+    """The base model's projections and the engine's LoRA limits, for registrations' checks."""
+    from transformers import AutoConfig
+
+    _, folder = resolve_model_dir(cfg.model)
+    config = AutoConfig.from_pretrained(folder)
+    base = BaseShape.of(config.get_text_config())
+    dims = {k: list(v) for k, v in base.dims.items()}
+    layers, rank, size = base.layers, engine.max_lora_rank, engine.max_lora_bytes
+    return {"layers": layers, "dims": dims, "max_rank": rank, "max_bytes": size}
 
 
 def usable_cpus() -> int:
@@ -115,6 +132,8 @@ class LLMReplica:
         self.model_name = cfg.served_model_name
         llm = cfg.llm
         self.dialect = chat.resolve(front.tokenizer, llm.tool_call_format, llm.reasoning_format)
+        self.lora = lora_limits(cfg, engine) if engine.enable_lora else None
+        self.adapter_store = store_of(cfg)
 
     async def generate(
         self,
@@ -126,11 +145,14 @@ class LLMReplica:
         trace: dict[str, str] | None = None,
         template: dict[str, Any] | None = None,
         answer: dict[str, Any] | None = None,
+        adapter: AdapterRef | None = None,
     ) -> AsyncIterator[Delta]:
         """`template`: chat template options (`add_generation_prompt`, `tools`, ...); `answer`
-        (a chat request's): its `tool_choice` and `parallel`. A chat answer is shaped in the
-        model's dialect (services/engine/chat.py); when it may hold thinking or calls, the first
-        delta carries how to split it (`answer`: the tag and the tool names) for the ingress."""
+        (a chat request's): its `tool_choice` and `parallel`; `adapter`: a LoRA adapter's
+        (deployments/adapter_api.py), whose files a bucket store copies here first. A chat answer
+        is shaped in the model's dialect (services/engine/chat.py); when it may hold thinking or
+        calls, the first delta carries how to split it (`answer`: the tag and the tool names) for
+        the ingress."""
         try:  # off the event loop and the engine thread, after the character cap
             prompt_ids = await self.llm.encoder.encode(prompt, messages, template, tenant)
             turn = None
@@ -141,8 +163,12 @@ class LLMReplica:
                     self.front, self.dialect, prompt_ids, params, tools, choice, parallel
                 )
                 params = turn.params
+            lora = None
+            if adapter is not None:
+                folder = await asyncio.to_thread(adapter.folder, self.adapter_store)
+                lora = LoRARequest(adapter.name, str(folder))
             await self.llm.wait_ready(RESTART_WAIT_S)  # a core restarting: within reason
-        except (ValueError, EngineDeadError) as exc:  # a render that could not run: 503 too
+        except (ValueError, EngineDeadError, StoreUnavailable) as exc:  # 503s too
             yield Delta.refusal(str(exc)[:300], getattr(exc, "status", 400))
             return
         split = None
@@ -160,7 +186,7 @@ class LLMReplica:
         ctx = otel_trace.set_span_in_context(span)
         token = tel.attach(ctx)  # the engine admits the request (and starts its grammar) in it
         try:
-            stream = self.llm.add_request(prompt_ids, params, request_id, tenant)
+            stream = self.llm.add_request(prompt_ids, params, request_id, tenant, lora)
         finally:
             tel.detach(token)
         last: RequestOutput | None = None
@@ -233,6 +259,7 @@ class LLMReplica:
         return {
             "max_prompt_chars": self.front.limits.max_prompt_chars,
             "max_model_len": self.front.max_model_len,
+            "lora": self.lora,  # the base model's shape an adapter must fit; None: LoRA off
         }
 
     async def check_health(self) -> dict[str, str]:

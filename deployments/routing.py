@@ -28,6 +28,10 @@ replica. So the match is on the request itself, and FIFO takes over only when th
 gone (cancelled while its replica was being probed): no replica found is wasted, no request is
 left without one.
 
+Requests on a LoRA adapter are keyed by the adapter alone: they go to the replica that keeps it in
+a slot (a load is a copy of its weights; their prompts' prefixes are cached there too), and spill
+over as a hot prefix does.
+
 Installed only with several LLM replicas (deployments/app.py): with one there is nothing to
 choose. Tenant-aware like the cache itself: the key includes the tenant, so two tenants with the
 same system prompt need not meet on one replica (their pages are never shared anyway).
@@ -59,6 +63,9 @@ def affinity_key(args: Sequence[Any], prefix_chars: int) -> bytes | None:
     if len(args) < 4:
         return None
     prompt, messages, params, tenant = args[:4]
+    adapter = getattr(args[8], "name", None) if len(args) > 8 else None
+    if adapter is not None:  # one replica keeps the adapter resident (while its load allows)
+        return hashlib.blake2b(b"adapter\0" + str(adapter).encode(), digest_size=16).digest()
     template = args[6] if len(args) > 6 and isinstance(args[6], dict) else {}
     if messages:
         first = messages[0] if isinstance(messages[0], dict) else {}

@@ -6,7 +6,8 @@ one from its flags, and `deployments.app:build_app` takes its dict form. Unknown
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -14,6 +15,7 @@ from services.compiler.service import CompileSettings
 from services.dialects import check
 from services.engine.config import EngineConfig
 from services.grammar.backend import MASK_BUDGET_MS
+from services.lora.registry import ADAPTER_NAME, AdapterCaps
 
 
 class _Strict(BaseModel):
@@ -138,6 +140,28 @@ class TelemetryConfig(_Strict):
     export_interval_s: float = Field(default=5.0, gt=0, le=300)  # OTLP batches and metric pushes
 
 
+class AdaptersConfig(_Strict):
+    """LoRA adapters over HTTP (deployments/adapter_api.py; the engine needs
+    `llm.engine.enable_lora`). Tenants register folders from `store`, a directory (the chart's
+    PVC) or a bucket URL (`s3://bucket/prefix`, the `s3` extra; credentials from the
+    environment, as s3fs reads them), each checked before anything loads it."""
+
+    store: str | None = None  # None: no tenant registrations (operator modules still serve)
+    store_options: dict[str, Any] = Field(default_factory=dict)  # fsspec's, e.g. endpoint_url
+    cache_dir: str | None = None  # a bucket's adapters copied here; None: a temp folder
+    # operator-wide adapters, every tenant's: name -> folder (vLLM's --lora-modules)
+    modules: dict[str, str] = Field(default_factory=dict)
+    caps: AdapterCaps = AdapterCaps()  # per tenant: registrations and their weights' bytes
+
+    @field_validator("modules")
+    @classmethod
+    def _names(cls, modules: dict[str, str]) -> dict[str, str]:
+        bad = [n for n in modules if not re.match(ADAPTER_NAME, n)]
+        if bad:
+            raise ValueError(f"adapters.modules: {bad[0]!r} is not a valid adapter name")
+        return modules
+
+
 class ServiceConfig(_Strict):
     model: str | None = None  # a local HF folder; None: the default SmolLM2 package
     served_model_name: str = "SmolLM2-135M-Instruct"
@@ -150,3 +174,4 @@ class ServiceConfig(_Strict):
     llm: LLMConfig = LLMConfig()
     grammar: GrammarServiceConfig = GrammarServiceConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    adapters: AdaptersConfig = AdaptersConfig()

@@ -29,6 +29,7 @@ from services.engine.encoding import Encoder
 from services.engine.engine import LLMEngine, Prompt
 from services.engine.failures import is_engine_fault
 from services.engine.params import RequestOutput, SamplingParams
+from services.lora.manager import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class _Add:
     stream: RequestStream
     tenant: str = "default"
     context: contextvars.Context | None = None  # the caller's, for the admission path
+    lora: LoRARequest | None = None
 
 
 class AsyncLLM:
@@ -107,15 +109,17 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         tenant: str = "default",
+        lora: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queues a request; must be called from a running event loop."""
+        """Queues a request (on adapter `lora`); must be called from a running event loop."""
         with self._lock:  # against the loop stopping in between: nobody would answer it
             if self._error is not None:
                 raise EngineDeadError("the engine loop has stopped") from self._error
             self._counter += 1
             request_id = request_id or f"async-{self._counter}"
             stream = RequestStream(self, request_id, asyncio.get_running_loop())
-            self._commands.put(_Add(prompt, params, stream, tenant, contextvars.copy_context()))
+            context = contextvars.copy_context()
+            self._commands.put(_Add(prompt, params, stream, tenant, context, lora))
         return stream
 
     async def generate(
@@ -208,9 +212,9 @@ class AsyncLLM:
         add = self.engine.add_request
         try:
             if cmd.context is not None:
-                req = cmd.context.run(add, cmd.prompt, cmd.params, rid, cmd.tenant)
+                req = cmd.context.run(add, cmd.prompt, cmd.params, rid, cmd.tenant, cmd.lora)
             else:
-                req = add(cmd.prompt, cmd.params, rid, cmd.tenant)
+                req = add(cmd.prompt, cmd.params, rid, cmd.tenant, cmd.lora)
         except Exception as exc:  # one bad request fails alone, never the loop
             cmd.stream.put(exc if isinstance(exc, ValueError) else ValueError(repr(exc)))
             return

@@ -33,6 +33,7 @@ from services import telemetry
 from services.engine import core_messages as msg
 from services.engine.config import EngineConfig
 from services.engine.stats import EngineStats
+from services.lora.manager import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +189,9 @@ class EngineCore:
             prompt = msg.ids_list(message.prompt)
             rid = message.request_id
             token = self.tel.attach(self.tel.extract(message.trace))  # its grammar's spans too
+            lora = LoRARequest(message.lora_name, message.lora_path) if message.lora_name else None
             try:
-                req = self.engine.add_request(prompt, params, rid, message.tenant)
+                req = self.engine.add_request(prompt, params, rid, message.tenant, lora)
             except Exception as exc:  # the client never sends a live id twice: logged only
                 log.warning("request %s refused: %r", rid, exc)
                 return

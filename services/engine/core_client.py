@@ -37,6 +37,7 @@ from services.engine.async_llm import EngineDeadError, RequestStream
 from services.engine.config import EngineConfig
 from services.engine.encoding import Encoder, Front
 from services.engine.params import SamplingParams
+from services.lora.manager import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +178,10 @@ class CoreClient:
         params: SamplingParams,
         request_id: str | None = None,
         tenant: str = "default",
+        lora: LoRARequest | None = None,
     ) -> RequestStream:
-        """Sends a request to the core (with the current trace context); must be called from a
-        running event loop."""
+        """Sends a request to the core (with the current trace context; on adapter `lora`);
+        must be called from a running event loop."""
         ids = self.front.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         with self._lock:
             self._check_open()
@@ -192,6 +194,8 @@ class CoreClient:
             self._streams[request_id] = _Live(stream, msg.Totals(request_id, ids))
             carrier = telemetry.get().inject()
             add = msg.Add(request_id, msg.ids_bytes(ids), msg.pickled(params), tenant, carrier)
+            if lora is not None:
+                add.lora_name, add.lora_path = lora.name, lora.path
             try:
                 self._proc.send(add)
             except OSError:  # the core died just now: the watchdog restarts it

@@ -48,6 +48,8 @@ class Add(msgspec.Struct, tag=True):
     params: bytes  # pickled SamplingParams
     tenant: str
     trace: dict[str, str] = {}  # the replica's generate span: the core admits the request in it
+    lora_name: str = ""  # an adapter (services/lora): its engine name and local folder
+    lora_path: str = ""
 
 
 class Abort(msgspec.Struct, tag=True):

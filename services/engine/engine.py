@@ -295,7 +295,11 @@ class LLMEngine:
         return out
 
     def _resolve_grammars(self) -> list[Request]:
+        """Grammars compiled (or refused), and adapters read (or refused: services/lora)."""
         failures = self.grammars.resolve()
+        if self.adapters is not None:
+            bad = self.adapters.resolve(self.requests.values())
+            failures += [Failure(req, why, 400) for req, why in bad]
         self.fail_each(failures)
         return [f.request for f in failures]
 

@@ -88,13 +88,19 @@ class Adapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def resolve(store: Path, source: str) -> Path:
-    """The folder `source` names inside `store`: relative, no `..`, no symlink on the way."""
+def source_parts(source: str) -> tuple[str, ...]:
+    """`source`'s path parts: relative, no `..`, nothing a file system would read otherwise."""
     if not source or source.startswith("/") or "\\" in source or "\x00" in source:
         raise AdapterError("source", "a relative path inside the adapter store")
     parts = Path(source).parts
-    if ".." in parts:
-        raise AdapterError("source", "'..' leaves the adapter store")
+    if ".." in parts or ":" in source:
+        raise AdapterError("source", "'..' or ':' leaves the adapter store")
+    return parts
+
+
+def resolve(store: Path, source: str) -> Path:
+    """The folder `source` names inside `store`: relative, no `..`, no symlink on the way."""
+    parts = source_parts(source)
     root = store.resolve()
     here = root
     for part in parts:  # each step checked: a symlink anywhere could point out of the store
@@ -106,8 +112,26 @@ def resolve(store: Path, source: str) -> Path:
     return here
 
 
-def inspect_adapter(folder: Path, base: BaseShape, limits: Limits) -> Adapter:
-    """The checked adapter in `folder` (see the module's docstring), or `AdapterError`."""
+@dataclass(frozen=True)
+class Checked:
+    """An adapter whose config, sizes and tensor shapes passed (`check_adapter`); its weights
+    are read by `read_weights`, the slow half (off the engine's step: manager.py)."""
+
+    folder: Path
+    rank: int
+    scale: float
+    targets: tuple[str, ...]
+    pairs: dict[tuple[int, str], dict[str, str]]
+
+    def read(self) -> Adapter:
+        """The adapter's weights, each checked finite (`AdapterError` when not)."""
+        weights = _load(self.folder / WEIGHTS, self.pairs)
+        return Adapter(self.rank, self.scale, self.targets, weights)
+
+
+def check_adapter(folder: Path, base: BaseShape, limits: Limits) -> Checked:
+    """Everything but the weights' values: the config, the files' sizes by `stat`, the
+    safetensors header and every shape against the base model. Cheap whatever the file."""
     config = _config(folder)
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -122,7 +146,12 @@ def inspect_adapter(folder: Path, base: BaseShape, limits: Limits) -> Adapter:
         raise AdapterError("adapter_config", "DoRA and rsLoRA adapters are not served")
     headers = _header(folder / WEIGHTS, limits)
     pairs = _pairs(headers, base, rank, set(targets))
-    return Adapter(rank, float(alpha) / rank, targets, _load(folder / WEIGHTS, pairs))
+    return Checked(folder, rank, float(alpha) / rank, targets, pairs)
+
+
+def inspect_adapter(folder: Path, base: BaseShape, limits: Limits) -> Adapter:
+    """The checked adapter in `folder` (see the module's docstring), or `AdapterError`."""
+    return check_adapter(folder, base, limits).read()
 
 
 def _regular_file(path: Path, name: str, cap: int) -> int:

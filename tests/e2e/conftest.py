@@ -24,6 +24,7 @@ from e2e_support import (
 
 from deployments import local_ray
 from deployments.service_config import (
+    AdaptersConfig,
     GrammarServiceConfig,
     IngressConfig,
     TelemetryConfig,
@@ -31,6 +32,7 @@ from deployments.service_config import (
     TenantLimits,
 )
 from deployments.tenants import digest
+from services.lora.registry import AdapterCaps
 
 # Ray as `structserve serve` runs it (listeners on loopback, token auth on): set before any test
 # module imports ray, which reads its auth mode on import
@@ -69,17 +71,29 @@ def otlp():
 
 
 @pytest.fixture(scope="session")
-def server(proxy, otlp):
+def adapter_store(tmp_path_factory):
+    """The main application's LoRA adapter store (the tests write their adapters into it)."""
+    return tmp_path_factory.mktemp("adapter-store")
+
+
+@pytest.fixture(scope="session")
+def server(proxy, otlp, adapter_store):
     """The main application: two ingress replicas (tenant limits must hold for the service) and
     two grammar-service replicas (so `/metrics` must add up several), spans exported to the
-    `otlp` receiver."""
+    `otlp` receiver; LoRA on (two adapters a step), tenants' adapters from `adapter_store`."""
+    import dataclasses
+
     import redis
 
     from deployments.app import build_app
 
     base, serve = proxy
     redis.Redis.from_url(redis_url(11)).flushdb()
+    llm = small_config().llm
+    engine = dataclasses.replace(llm.engine, enable_lora=True, max_loras=2, max_cpu_loras=4)
     cfg = small_config(
+        llm=llm.model_copy(update={"engine": engine}),
+        adapters=AdaptersConfig(store=str(adapter_store), caps=AdapterCaps(max_adapters=3)),
         redis_url=redis_url(11),
         ingress=IngressConfig(num_replicas=2, body_timeout_s=3.0),
         # two workers each: one is kept for tenants with no compile running

@@ -51,6 +51,20 @@ def test_completions_are_keyed_on_their_start():
     assert affinity_key(("not", "a call"), 64) is None
 
 
+def test_requests_on_an_adapter_are_keyed_by_the_adapter():
+    from deployments.adapter_api import AdapterRef
+
+    def on(ref, user, system=SYSTEM):
+        return (*chat(user, system=system), None, ref)
+
+    mine = AdapterRef("tenant/a/support", "support")
+    key = affinity_key(on(mine, "one"), 64)
+    other_system = {"role": "system", "content": "You write poems."}
+    assert key == affinity_key(on(mine, "two", other_system), 64)  # where its slot is
+    assert key != affinity_key(on(AdapterRef("tenant/b/support", "support"), "one"), 64)
+    assert key != affinity_key(on(None, "one"), 64) == affinity_key(chat("one"), 64)
+
+
 REPLICAS = ["r1", "r2", "r3", "r4"]
 
 
