@@ -66,7 +66,7 @@ def test_bad_sources_and_sizes_are_refused_before_a_copy(s3, tmp_path):
     upload(client, folder, "tenants/big")
     size = (folder / "adapter_model.safetensors").stat().st_size
     remote = store(url, tmp_path / "cache", max_bytes=size - 1)
-    with pytest.raises(AdapterError, match="adapter_model.safetensors: .*over the"):
+    with pytest.raises(AdapterError, match=r"adapter_model\.safetensors: .*over the"):
         remote.folder("big")
     assert not any((tmp_path / "cache").iterdir())  # nothing was copied
     for source, match in (("nothing", "missing"), ("../x", "source"), ("a/../../b", "source")):
