@@ -301,6 +301,9 @@ class LoRAConfig:
     max_lora_rank: int = 16  # slots are this wide: a higher-rank adapter is refused
     max_cpu_loras: int | None = None  # parked in host memory; None: max_loras
     max_lora_bytes: int = 256 << 20  # an adapter's weights file
+    # every slot's deltas in two products a target (services/lora/layers.py); False: a loop
+    # over the step's adapters (the plain twin)
+    lora_stacked: bool = True
 
     def _check_lora(self) -> None:
         if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:

@@ -230,7 +230,8 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.chunks:
-            self.grammars.wait(0.01, self.validating)
+            reads = [r for _, r in self.adapters.reading.values()] if self.adapters else []
+            self.grammars.wait(0.01, self.validating, reads)
             return failed + resumed + self._validated()
         self._mark_scheduled(sched)
         rows = SampleRows.of(sched.chunks)

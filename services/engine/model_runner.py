@@ -73,7 +73,7 @@ class ModelRunner:
             self.fused = lean if lean is not None and self._agrees(lean) else None
         # LoRA slots wrap the target linears last, over their packed products
         self.lora = (
-            LoRASlots(self.model, config.max_loras, config.max_lora_rank)
+            LoRASlots(self.model, config.max_loras, config.max_lora_rank, config.lora_stacked)
             if config.enable_lora
             else None
         )
@@ -185,9 +185,8 @@ class ModelRunner:
         keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)
         lora: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         forward = self.fused or self._transformers_forward
-        if slots and max(slots) >= 0:
-            lora = lora_tokens(torch.tensor(slots, device=self.device))
-            forward = self._transformers_forward  # the fused one bypasses the adapters' linears
+        if slots and max(slots) >= 0:  # both forwards call the projections' modules: each
+            lora = lora_tokens(torch.tensor(slots, device=self.device))  # adds its delta
         with attention.stepping(batch), self._products(), lora:
             logits = forward(input_ids, position_ids, keep)
         if scored:

@@ -9,8 +9,15 @@ Slots are preallocated per target module at `max_rank`, so loading an adapter is
 allocation mid-serving; an adapter of a smaller rank uses the first `rank` rows of its slot, and a
 module it does not target stays zero (and is skipped). The step says which tokens use which slot
 with `lora_tokens(...)`; outside that block, or in a step of base tokens only, a linear computes
-exactly as it would without adapters. On CPU the groups are a loop (few adapters per step); a
-segmented-GEMM kernel is the CUDA path's next step.
+exactly as it would without adapters.
+
+Two ways to add the deltas. Stacked (the default): every slot's A in one matrix, so each target
+costs two products and a mask whatever the number of adapters in the step: `x @ A_all.T`
+`[T, slots * max_rank]`, zeroed outside each token's own slot, then `@ B_all` (the extra columns
+cost little next to the base product while `slots * max_rank` is small against the layer's width).
+Grouped (the plain twin, `EngineConfig.lora_stacked=False`): a loop over the step's adapter
+groups, each gathering its tokens. A step whose tokens all use one adapter takes that adapter's
+pair directly either way. A segmented-GEMM kernel is the CUDA path's next step.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import contextvars
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,11 +35,23 @@ from services.lora.adapter import TARGETS, Adapter, BaseShape
 _NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGETS) + r")$")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Groups:
-    """One step's adapter groups: (slot, the flat indices of its tokens)."""
+    """One step's adapter groups: (slot, the flat indices of its tokens); `slots` per token."""
 
     groups: list[tuple[int, torch.Tensor]]
+    slots: torch.Tensor
+    whole: bool  # one group, every token: no gather, no mask
+    _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, n_slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """`[T, n_slots * rank]`: 1 where a column belongs to the token's own slot (built once a
+        step, shared by every target)."""
+        key = (n_slots, rank, dtype)
+        if key not in self._masks:
+            owner = torch.arange(n_slots, device=self.slots.device).repeat_interleave(rank)
+            self._masks[key] = (self.slots[:, None] == owner[None, :]).to(dtype)
+        return self._masks[key]
 
 
 _STEP: contextvars.ContextVar[_Groups | None] = contextvars.ContextVar(
@@ -44,60 +63,69 @@ _STEP: contextvars.ContextVar[_Groups | None] = contextvars.ContextVar(
 def lora_tokens(slots: torch.Tensor) -> Iterator[None]:
     """Inside this block, token `i` of the forward (flattened over batch and position) uses
     adapter slot `slots[i]`; -1 is the base model. A step of base tokens only changes nothing."""
-    groups = [
-        (int(s), torch.nonzero(slots == s).flatten())
-        for s in torch.unique(slots).tolist()
-        if s >= 0
-    ]
-    token = _STEP.set(_Groups(groups) if groups else None)
+    present = torch.unique(slots).tolist()
+    groups = [(int(s), torch.nonzero(slots == s).flatten()) for s in present if s >= 0]
+    whole = len(present) == 1 and len(groups) == 1
+    token = _STEP.set(_Groups(groups, slots, whole) if groups else None)
     try:
         yield
     finally:
         _STEP.reset(token)
 
 
-def active() -> bool:
-    """Whether the forward running now has adapter tokens (a fused path that bypasses the
-    linears must not take this step)."""
-    return _STEP.get() is not None
-
-
 class _Target:
-    """One linear's slots: A [slots, max_rank, in], B [slots, out, max_rank] (scale folded in)."""
+    """One linear's slots: A [slots, max_rank, in], B transposed [slots, max_rank, out] (scale
+    folded in), each slot's pair in the first `rank` rows."""
 
-    def __init__(self, linear: torch.nn.Linear, slots: int, max_rank: int) -> None:
+    def __init__(self, linear: torch.nn.Linear, slots: int, max_rank: int, stacked: bool) -> None:
         w = linear.weight
         self.a = torch.zeros(slots, max_rank, linear.in_features, device=w.device, dtype=w.dtype)
-        self.b = torch.zeros(slots, linear.out_features, max_rank, device=w.device, dtype=w.dtype)
+        self.bt = torch.zeros(slots, max_rank, linear.out_features, device=w.device, dtype=w.dtype)
         self.rank = [0] * slots  # 0: this slot's adapter does not target this module
+        self.stacked = stacked
 
     def delta(self, x: torch.Tensor, out: torch.Tensor, groups: _Groups) -> torch.Tensor:
+        if not any(self.rank[slot] for slot, _ in groups.groups):
+            return out  # no adapter in this step targets this module
         flat = x.reshape(-1, x.shape[-1])
-        extra = None
+        base = out.reshape(-1, out.shape[-1])
+        if groups.whole:
+            slot = groups.groups[0][0]
+            r = self.rank[slot]
+            summed = torch.addmm(base, flat @ self.a[slot, :r].T, self.bt[slot, :r])
+        elif self.stacked:
+            n, rank, width = self.a.shape
+            xa = flat @ self.a.view(n * rank, width).T
+            xa.mul_(groups.mask(n, rank, xa.dtype))
+            summed = torch.addmm(base, xa, self.bt.view(n * rank, -1))  # the add in the product
+        else:
+            summed = base + self._grouped(flat, out, groups)
+        return summed.view(out.shape)
+
+    def _grouped(self, flat: torch.Tensor, out: torch.Tensor, groups: _Groups) -> torch.Tensor:
+        extra = torch.zeros(flat.shape[0], out.shape[-1], device=out.device, dtype=flat.dtype)
         for slot, idx in groups.groups:
             r = self.rank[slot]
-            if r == 0:
-                continue
-            rows = flat.index_select(0, idx)
-            d = (rows @ self.a[slot, :r].T) @ self.b[slot, :, :r].T
-            if extra is None:
-                extra = torch.zeros(flat.shape[0], out.shape[-1], device=out.device, dtype=d.dtype)
-            extra.index_add_(0, idx, d)
-        return out if extra is None else out + extra.view(out.shape).to(out.dtype)
+            if r:
+                rows = flat.index_select(0, idx)
+                extra.index_add_(0, idx, (rows @ self.a[slot, :r].T) @ self.bt[slot, :r])
+        return extra
 
 
 class LoRASlots:
     """`max_loras` adapter slots on `model`'s target projections (every q/k/v/o and MLP linear
     its names show), wrapped once; `load` puts a checked adapter in a slot."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_loras: int, max_rank: int, stacked: bool = True
+    ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.targets: dict[tuple[int, str], _Target] = {}
         for name, module in model.named_modules():
             m = _NAME.search(name)
             if m is None or not isinstance(module, torch.nn.Linear):
                 continue
-            target = _Target(module, max_loras, max_rank)
+            target = _Target(module, max_loras, max_rank, stacked)
             self.targets[(int(m[1]), m[2])] = target
             module.forward = _with_delta(module.forward, target)  # type: ignore[method-assign,assignment]
         if not self.targets:
@@ -116,7 +144,7 @@ class LoRASlots:
             target = self.targets[key]
             r = adapter.rank
             target.a[slot, :r].copy_(a)
-            target.b[slot, :, :r].copy_(b * adapter.scale)
+            target.bt[slot, :r].copy_((b * adapter.scale).T)
             target.rank[slot] = r
 
     @torch.inference_mode()
@@ -124,7 +152,7 @@ class LoRASlots:
         for target in self.targets.values():
             if target.rank[slot]:
                 target.a[slot].zero_()
-                target.b[slot].zero_()
+                target.bt[slot].zero_()
                 target.rank[slot] = 0
 
 

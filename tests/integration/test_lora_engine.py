@@ -66,6 +66,7 @@ def setup(tmp_path_factory):
         {"max_loras": 2},
         {"max_loras": 1, "enable_prefix_caching": False},  # adapters take turns in one slot
         {"max_loras": 2, "speculative": {"method": "ngram", "num_speculative_tokens": 4}},
+        {"max_loras": 2, "lora_stacked": False},  # the grouped twin: the same tokens
     ],
 )
 def test_mixed_batches_equal_the_merged_adapters(setup, engine):

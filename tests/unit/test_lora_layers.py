@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.lora.adapter import Adapter, BaseShape
-from services.lora.layers import LoRASlots, active, lora_tokens
+from services.lora.layers import LoRASlots, lora_tokens
 from services.models import packed
 
 CONFIG = LlamaConfig(
@@ -49,8 +49,8 @@ def merged(model: torch.nn.Module, adapter: Adapter) -> torch.nn.Module:
     return out
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_mixed_rows_equal_the_merged_models(pack):
+@pytest.mark.parametrize(("pack", "stacked"), [(False, True), (True, True), (False, False)])
+def test_mixed_rows_equal_the_merged_models(pack, stacked):
     torch.manual_seed(0)
     model = LlamaForCausalLM(CONFIG).eval()
     first = random_adapter(4, ("q_proj", "v_proj", "down_proj"), seed=1)
@@ -61,16 +61,14 @@ def test_mixed_rows_equal_the_merged_models(pack):
         want = torch.cat([ref(input_ids=ids[i : i + 1]).logits for i, ref in enumerate(references)])
     if pack and not packed.pack_linears(model):
         pytest.skip("oneDNN packing unavailable here")
-    slots = LoRASlots(model, max_loras=3, max_rank=8)
+    slots = LoRASlots(model, max_loras=3, max_rank=8, stacked=stacked)
     slots.load(0, first)
     slots.load(2, second)
     per_token = torch.tensor([-1, 0, 2]).repeat_interleave(7)  # row 0 base, 1 first, 2 second
     with torch.inference_mode(), packed.packed_products(), lora_tokens(per_token):
-        assert active()
         got = model(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with torch.inference_mode():  # outside the block: the base model, untouched
-        assert not active()
         torch.testing.assert_close(model(input_ids=ids[:1]).logits, want[:1], rtol=1e-4, atol=1e-4)
 
 
@@ -83,7 +81,6 @@ def test_a_base_only_step_and_a_cleared_slot_change_nothing():
     slots = LoRASlots(model, max_loras=2, max_rank=8)
     slots.load(1, random_adapter(8, ("q_proj",), seed=3))
     with torch.inference_mode(), lora_tokens(torch.full((5,), -1)):
-        assert not active()
         torch.testing.assert_close(model(input_ids=ids).logits, want)
     slots.clear(1)
     with torch.inference_mode(), lora_tokens(torch.full((5,), 1)):

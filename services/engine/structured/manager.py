@@ -214,15 +214,16 @@ class GrammarManager:
         if fut is not None and not fut.done() and isinstance(provider, _Releasing):
             provider.release(fut)
 
-    def wait(self, timeout: float, validating: list[Request]) -> None:
-        """Blocks briefly when the only work left is grammars being compiled or outputs being
-        validated (no busy loop)."""
+    def wait(self, timeout: float, validating: list[Request], also: Any = ()) -> None:
+        """Blocks briefly when the only work left is grammars being compiled, outputs being
+        validated or `also` (other futures: adapters being read), with no busy loop."""
         futures: list[Future[Any]] = [
             r.structured.future
             for r in self._pending
             if r.structured is not None and r.structured.future is not None
         ]
         futures += [r.validation.future for r in validating if r.validation is not None]
+        futures += list(also)
         if self.late.requests and self._masks is not None and self._masks.workers is not None:
             self._masks.workers.wait_any(self.late.jobs(), timeout)
         elif futures:
