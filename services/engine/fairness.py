@@ -11,10 +11,15 @@ share goes to the others (work-conserving):
 - prefill tokens per step: the step's token budget split the same way between the tenants with
   prompt tokens to compute (decode tokens are one per request and never capped);
 - preemption for pages picks the newest request of the tenant furthest over its slot share.
+
+Work done for a tenant outside its tokens (an adapter copied into a slot for its request: the
+step waits for it) is charged as the tokens the engine computes in that time (`charge_time`, at
+the rate between its last steps), so cycling through adapters is not free compute.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -30,8 +35,23 @@ class FairShares:
     def vtime(self, tenant: str) -> float:
         return self._vtime.get(tenant, 0.0)
 
-    def charge(self, tenant: str, tokens: int) -> None:
+    _rate: float = 0.0  # tokens a second the engine computed lately
+    _last: tuple[float, int] | None = None  # (when, tokens) of the last step scheduled
+
+    def charge(self, tenant: str, tokens: float) -> None:
         self._vtime[tenant] = self.vtime(tenant) + tokens / self.weight(tenant)
+
+    def stepped(self, tokens: int) -> None:
+        """A step of `tokens` is scheduled: the last one's tokens over the time since it was."""
+        now = time.perf_counter()
+        if self._last is not None and self._last[1] and now > self._last[0]:
+            rate = self._last[1] / (now - self._last[0])
+            self._rate = rate if not self._rate else 0.8 * self._rate + 0.2 * rate
+        self._last = (now, tokens)
+
+    def charge_time(self, tenant: str, seconds: float) -> None:
+        """`seconds` of the engine spent for `tenant` on something other than its tokens."""
+        self.charge(tenant, seconds * self._rate)
 
     def wake(self, tenant: str, busy: Iterable[str]) -> None:
         """`tenant` has work again: no credit for the time it had none."""

@@ -127,6 +127,7 @@ class Scheduler:
                 self._add_drafts(out)
         for c in out.chunks:
             self.shares.charge(c.request.tenant, c.num_positions)
+        self.shares.stepped(sum(c.num_positions for c in out.chunks))
         return out
 
     # -- fair shares ---------------------------------------------------------------------
@@ -295,7 +296,10 @@ class Scheduler:
     def _take_slot(self, req: Request) -> bool:
         if req.lora_name is None or self.adapters is None:
             return True
+        loads = self.adapters.loads
         slot = self.adapters.acquire(req.lora_name)
+        if self.adapters.loads > loads:  # the step waits for the copy: its tenant's work
+            self.shares.charge_time(req.tenant, self.adapters.last_load_s)
         req.lora_slot = -1 if slot is None else slot
         return slot is not None
 

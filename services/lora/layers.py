@@ -74,12 +74,13 @@ def lora_tokens(slots: torch.Tensor) -> Iterator[None]:
 
 
 class _Target:
-    """One linear's slots: A [slots, max_rank, in], B transposed [slots, max_rank, out] (scale
-    folded in), each slot's pair in the first `rank` rows."""
+    """One linear's slots, both sides laid out for `x @ A^T @ B^T` with no transpose at run time:
+    A^T [in, slots, max_rank], B^T [slots, max_rank, out] (scale folded in), each slot's pair in
+    its first `rank` columns / rows."""
 
     def __init__(self, linear: torch.nn.Linear, slots: int, max_rank: int, stacked: bool) -> None:
         w = linear.weight
-        self.a = torch.zeros(slots, max_rank, linear.in_features, device=w.device, dtype=w.dtype)
+        self.at = torch.zeros(linear.in_features, slots, max_rank, device=w.device, dtype=w.dtype)
         self.bt = torch.zeros(slots, max_rank, linear.out_features, device=w.device, dtype=w.dtype)
         self.rank = [0] * slots  # 0: this slot's adapter does not target this module
         self.stacked = stacked
@@ -92,10 +93,10 @@ class _Target:
         if groups.whole:
             slot = groups.groups[0][0]
             r = self.rank[slot]
-            summed = torch.addmm(base, flat @ self.a[slot, :r].T, self.bt[slot, :r])
+            summed = torch.addmm(base, flat @ self.at[:, slot, :r], self.bt[slot, :r])
         elif self.stacked:
-            n, rank, width = self.a.shape
-            xa = flat @ self.a.view(n * rank, width).T
+            width, n, rank = self.at.shape
+            xa = flat @ self.at.view(width, n * rank)
             xa.mul_(groups.mask(n, rank, xa.dtype))
             summed = torch.addmm(base, xa, self.bt.view(n * rank, -1))  # the add in the product
         else:
@@ -108,7 +109,7 @@ class _Target:
             r = self.rank[slot]
             if r:
                 rows = flat.index_select(0, idx)
-                extra.index_add_(0, idx, (rows @ self.a[slot, :r].T) @ self.bt[slot, :r])
+                extra.index_add_(0, idx, (rows @ self.at[:, slot, :r]) @ self.bt[slot, :r])
         return extra
 
 
@@ -143,7 +144,7 @@ class LoRASlots:
         for key, (a, b) in adapter.weights.items():
             target = self.targets[key]
             r = adapter.rank
-            target.a[slot, :r].copy_(a)
+            target.at[:, slot, :r].copy_(a.T)
             target.bt[slot, :r].copy_((b * adapter.scale).T)
             target.rank[slot] = r
 
@@ -151,7 +152,7 @@ class LoRASlots:
     def clear(self, slot: int) -> None:
         for target in self.targets.values():
             if target.rank[slot]:
-                target.a[slot].zero_()
+                target.at[:, slot].zero_()
                 target.bt[slot].zero_()
                 target.rank[slot] = 0
 

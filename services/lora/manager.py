@@ -13,6 +13,7 @@ never needs more than `max_loras` adapters. `release` at finish or preemption.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +47,7 @@ class AdapterManager:
         self.reading: dict[str, tuple[str, Future[Adapter]]] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
         self.loads = 0
+        self.last_load_s = 0.0
 
     @classmethod
     def on(cls, slots: LoRASlots | None, config: Any) -> AdapterManager | None:
@@ -127,7 +129,9 @@ class AdapterManager:
             slot = self._free_slot()
             if slot is None:
                 return None
+            start = time.perf_counter()
             self.slots.load(slot, self.parked[name][1])
+            self.last_load_s = time.perf_counter() - start  # charged to the request's tenant
             self.loads += 1
             self.resident[name] = slot
         self.resident.move_to_end(name)

@@ -81,6 +81,12 @@ def test_mixed_batches_equal_the_merged_adapters(setup, engine):
     outs = llm.generate(prompts, GREEDY, [lora[k] if k else None for k in plan])
     for i, (name, out) in enumerate(zip(plan, outs, strict=True)):
         assert out.token_ids == refs[name][i % len(PROMPTS)], (name, i)
+    if engine["max_loras"] == 1 and not engine.get("enable_prefix_caching", True):
+        # every adapter load was charged to the tenant, beyond the positions it computed
+        positions = sum(len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in outs)
+        sched = llm.engine.scheduler
+        assert llm.engine.adapters.loads >= 2 and sched.num_preemptions == 0
+        assert sched.shares.vtime("default") > positions
 
 
 def test_no_prefix_hit_across_adapters_or_their_weights(setup):

@@ -138,3 +138,19 @@ def test_the_plain_twin_keeps_arrival_order():
     for _ in range(3):
         step(s)
     assert running(s) == {"a": 4} and s.num_preemptions == 0
+
+
+def test_time_spent_for_a_tenant_is_charged_at_the_engine_rate(monkeypatch):
+    from services.engine import fairness
+
+    clock = iter([0.0, 0.5, 1.0])
+    monkeypatch.setattr(fairness.time, "perf_counter", lambda: next(clock))
+    shares = fairness.FairShares({"a": 2.0})
+    shares.charge_time("a", 1.0)
+    assert shares.vtime("a") == 0  # no rate known yet: nothing to convert with
+    shares.stepped(100)
+    shares.stepped(50)  # 100 tokens in 0.5 s: 200 a second
+    shares.charge_time("a", 0.25)  # 50 tokens' worth, at weight 2
+    assert shares.vtime("a") == 25
+    shares.stepped(0)
+    assert shares._rate == 0.8 * 200 + 0.2 * 100
