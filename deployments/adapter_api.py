@@ -226,7 +226,12 @@ async def load_lora(gate: Gate, adapters: Adapters, request: Any) -> PlainTextRe
     """vLLM's route: the same registration, answered as vLLM answers."""
     async with gate.metered(request) as tenant:
         body = await gate.body(request, LoadLoRAAdapter)
-        await adapters.register(tenant, body.lora_name, body.lora_path, body.load_inplace)
+        try:
+            await adapters.register(tenant, body.lora_name, body.lora_path, body.load_inplace)
+        except ApiError as exc:  # named as this body names it
+            renamed = {"source": "lora_path", "name": "lora_name"}
+            exc.param = renamed.get(exc.param or "", exc.param)
+            raise
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

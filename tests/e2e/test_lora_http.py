@@ -208,3 +208,10 @@ def test_names_and_caps(server, setup, adapter_store, base_config):
         timeout=30,
     )
     assert gone.status_code == 404  # deleted above
+    out = requests.post(
+        f"{server}/v1/load_lora_adapter",
+        json={"lora_name": "escape", "lora_path": "../etc"},
+        headers=auth(KEY_B),
+        timeout=30,
+    )
+    assert out.status_code == 400 and out.json()["error"]["param"] == "lora_path"
