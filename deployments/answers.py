@@ -53,6 +53,8 @@ REASONS_429 = (
     "kv_tier_full",  # the KV host tier has no room for the tenant's pages now
     "registrations_cap",  # the tenant's grammar registrations are at their cap (delete some)
     "adapters_cap",  # the tenant's adapter registrations (count or bytes) are at their cap
+    "files_cap",  # the tenant's files (count or bytes) are at their cap (delete some)
+    "batches_cap",  # the tenant's batches in flight are at their cap (wait for one to end)
 )
 
 KINDS = {

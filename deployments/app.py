@@ -1,7 +1,8 @@
 """The application builder: `deployments.app:build_app` (the import path in the Helm chart's
 `serveConfigV2`, and what `structserve serve` runs).
 
-Ingress → (LLMReplica, GrammarService); LLMReplica → GrammarService; every replica pushes its
+Ingress → (LLMReplica, GrammarService, BatchRunner); LLMReplica → GrammarService; BatchRunner →
+Ingress (by name, for each batch line); every replica pushes its
 metrics to one `TelemetryHub` (when telemetry is enabled). Every deployment gets
 `max_ongoing_requests` and `max_queued_requests` from the config, and queue overflow answers 429
 with `Retry-After` instead of Ray's default 503.
@@ -15,6 +16,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from deployments.batch_runner import BatchRunner
 from deployments.grammar_service import GrammarService
 from deployments.ingress import Ingress
 from deployments.replica import LLMReplica
@@ -68,4 +70,6 @@ def build_app(args: dict[str, Any] | ServiceConfig) -> Application:
         hub = hub_deployment(TelemetryHub).bind()
     grammar_app = grammar.bind(plain, hub)
     llm_app = llm.bind(plain, grammar_app, hub)
-    return ingress.bind(plain, llm_app, grammar_app, settings.api_key(), hub)
+    runner = serve.deployment(name="BatchRunner", **_options(cfg.batches))(BatchRunner)
+    runner_app = runner.bind(plain)  # it calls the ingress back by name, with each line
+    return ingress.bind(plain, llm_app, grammar_app, settings.api_key(), hub, runner_app)

@@ -95,11 +95,9 @@ def screen(raw: bytes, lim: BodyLimits) -> None:
 SCREEN_OFF_LOOP_BYTES = 64 << 10  # a body this big is screened and parsed off the event loop
 
 
-async def read_body(request: Any, model: type[BaseModel], lim: BodyLimits) -> Any:
-    """The body validated against `model`; counted as it arrives (no unbounded buffer): 413
-    above `max_bytes`, 408 when it has not all arrived within `timeout_s`, 400 for a body past
-    the shape limits (`screen`) and naming the first invalid field."""
-    limit, timeout_s = lim.max_bytes, lim.timeout_s
+async def read_raw(request: Any, limit: int, timeout_s: float) -> bytes:
+    """The body's bytes, counted as they arrive (no unbounded buffer): 413 above `limit`, 408
+    when it has not all arrived within `timeout_s`."""
     if int(request.headers.get("content-length") or 0) > limit:
         raise ApiError(413, f"body: larger than {limit} bytes")
     chunks: list[bytes] = []
@@ -116,7 +114,14 @@ async def read_body(request: Any, model: type[BaseModel], lim: BodyLimits) -> An
         await asyncio.wait_for(receive(), timeout_s)
     except TimeoutError as exc:
         raise ApiError(408, f"body: not received within {timeout_s:g} s") from exc
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_body(request: Any, model: type[BaseModel], lim: BodyLimits) -> Any:
+    """The body validated against `model`; counted as it arrives (no unbounded buffer): 413
+    above `max_bytes`, 408 when it has not all arrived within `timeout_s`, 400 for a body past
+    the shape limits (`screen`) and naming the first invalid field."""
+    raw = await read_raw(request, lim.max_bytes, lim.timeout_s)
 
     def parse() -> Any:
         screen(raw, lim)

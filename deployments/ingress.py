@@ -24,12 +24,21 @@ from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import adapter_api, grammar_api, openapi, responses, tools
+from deployments import (
+    adapter_api,
+    batch_api,
+    files_api,
+    grammar_api,
+    model_api,
+    openapi,
+    responses,
+    tools,
+)
 from deployments.adapter_api import AdapterRef, AdapterRegistration, Adapters
 from deployments.answers import ApiError, cancel, collect, engine_refusal, error_response, sse
 from deployments.edge import ReleasingStream, check_metrics_token
 from deployments.gate import Gate
-from deployments.grammar_api import GrammarRegistration, raise_for
+from deployments.grammar_api import GrammarRegistration
 from deployments.observe import RequestObs, observe
 from deployments.protocol import (
     BadRequest,
@@ -49,8 +58,11 @@ from deployments.tenants import Tenants
 from deployments.translate import sampling_from, screen
 from deployments.wire import Delta
 from services import settings
+from services.batches.jobs import CreateBatch
 
 log = logging.getLogger(__name__)
+
+PREFIXES = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}  # response ids
 
 app = FastAPI(title="structserve", docs_url=None, redoc_url=None)
 
@@ -83,6 +95,7 @@ openapi.install(
         "/v1/responses": ResponsesRequest,
         "/v1/grammars": GrammarRegistration,
         "/v1/adapters": AdapterRegistration,
+        "/v1/batches": CreateBatch,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
     },
@@ -100,6 +113,7 @@ class Ingress:
         grammar: Any,
         default_key: str | None = None,
         hub: Any | None = None,
+        runner: Any | None = None,
     ) -> None:
         from deployments.grammar_service import redis_client
 
@@ -112,6 +126,9 @@ class Ingress:
         self.tenants = Tenants(self.config, default_key, redis)
         self.gate = Gate(self.config, self.tenants, llm)
         self.adapters = Adapters(self.config, redis, llm)
+        self.files = files_api.file_store(self.config, redis)
+        self.batches = batch_api.batch_store(self.config, redis)
+        self.runner = runner  # deployed with the app; it takes batches from Redis
         self.metrics_token = settings.metrics_token()
 
     # -- plumbing ------------------------------------------------------------------------
@@ -157,7 +174,7 @@ class Ingress:
             prompt,
             messages,
             params,
-            obs.tenant,
+            obs.engine_tenant or obs.tenant,
             engine_id(rid, i),
             obs.carrier,
             template,
@@ -214,15 +231,25 @@ class Ingress:
     async def _complete(self, request: Request, kind: str, obs: RequestObs) -> Response:
         tenant = obs.tenant = await self.gate.tenant(request)
         lease = await self.gate.admit(tenant)
+        try:
+            body, asked = await self._body(request, kind)
+        except BaseException:
+            self.tenants.release(lease)
+            raise
+        rid = new_id(PREFIXES[kind], client_request_id(request.headers))
+        return await self._answer(obs, kind, lease, body, asked, rid)
+
+    async def _answer(
+        self, obs: RequestObs, kind: str, lease: Any, body: Any, asked: Any, rid: str
+    ) -> Response:
+        """The answer to a read body, holding `lease` (released here, or by the stream)."""
+        tenant = obs.tenant
         streams: list[Any] = []
         streaming = False  # the stream releases the lease from then on
         chat = kind != "completions"
         try:
-            body, asked = await self._body(request, kind)
             lora = await self.adapters.resolve(tenant, body.model)  # None: the base model
             params = self._params(tenant, body)
-            prefix = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}[kind]
-            rid = new_id(prefix, client_request_id(request.headers))
             obs.describe(body, params, rid, self.config.served_model_name)
             inputs = await self._inputs(body)
             await self.gate.admit(tenant, lease, body.n - 1)
@@ -247,58 +274,11 @@ class Ingress:
             if not streaming:  # any other end (idempotent)
                 self.tenants.release(lease, sum(obs.usage.values()))
 
+    async def batch_line(self, tenant: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One line of a tenant's batch, for the runner (batch_api.line)."""
+        return await batch_api.line(self, tenant, kind, body)
+
     # -- the rest ------------------------------------------------------------------------
-
-    async def models(self, request: Request) -> JSONResponse:
-        """The base model, its aliases, and the adapters this tenant may name (its own and the
-        operator's), each with the base as `parent` (vLLM's listing)."""
-        tenant = await self.gate.tenant(request)
-        names = (self.config.served_model_name, *self.config.model_aliases)
-        data = [
-            {"id": n, "object": "model", "created": 0, "owned_by": "structserve"} for n in names
-        ]
-        for a in await self.adapters.models(tenant):
-            owner = "structserve" if a.operator else tenant
-            entry = {"id": a.name, "object": "model", "created": int(a.created), "owned_by": owner}
-            data.append({**entry, "parent": names[0]})
-        return JSONResponse({"object": "list", "data": data})
-
-    async def tokenize(self, request: Request) -> JSONResponse:
-        """vLLM's /tokenize: the token ids a prompt (or templated messages) becomes."""
-        async with self.gate.metered(request) as tenant:
-            body = await self.gate.body(request, TokenizeRequest)
-            self.gate.check_model(body.model)
-            messages = template = None
-            try:
-                if body.messages is not None:
-                    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                    template = template_options(body)
-            except ValueError as exc:
-                raise ApiError(400, str(exc), str(exc).split(":")[0]) from exc
-            await self.gate.check_prompt(body.prompt, messages)
-            out = await self.llm.tokenize.remote(body.prompt, messages, template, tenant)
-        raise_for(out)
-        return JSONResponse(out)
-
-    async def detokenize(self, request: Request) -> JSONResponse:
-        async with self.gate.metered(request):
-            body = await self.gate.body(request, DetokenizeRequest)
-            self.gate.check_model(body.model)
-            out = await self.llm.detokenize.remote(body.tokens)
-        raise_for(out)
-        return JSONResponse(out)
-
-    async def healthz(self) -> JSONResponse:
-        try:
-            grammar = await asyncio.wait_for(self.grammar.health.remote(), timeout=5)
-            llm = await asyncio.wait_for(self.llm.check_health.remote(), timeout=5)
-        except Exception as exc:  # its text names actors and addresses: for the log only
-            log.warning("health check failed: %s", exc)
-            return JSONResponse({"status": "unhealthy"}, status_code=503)
-        if (llm or {}).get("engine", "ready") != "ready":  # its core starting again after a crash
-            return JSONResponse({"status": llm["engine"]}, status_code=503)
-        status = "ok" if grammar["redis"] is not False else "degraded"
-        return JSONResponse({"status": status, "redis": grammar["redis"]})
 
     async def metrics(self, request: Request) -> PlainTextResponse:
         """Every replica's metrics (telemetry_hub.scraped); only for the metrics token's holder
@@ -323,7 +303,7 @@ class Ingress:
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:
-        return await self.models(request)
+        return await model_api.models(self, request)
 
     @app.post("/v1/grammars")
     async def post_grammar(self, request: Request) -> JSONResponse:
@@ -365,21 +345,57 @@ class Ingress:
     async def unload_lora_adapter(self, request: Request) -> Response:
         return await adapter_api.unload_lora(self.gate, self.adapters, request)
 
+    @app.post("/v1/files")
+    async def post_file(self, request: Request) -> Response:
+        return await files_api.upload(self.gate, self.files, self.config, request)
+
+    @app.get("/v1/files")
+    async def get_files(self, request: Request) -> Response:
+        return await files_api.listed(self.gate, self.files, request)
+
+    @app.get("/v1/files/{file_id}")
+    async def get_one_file(self, request: Request, file_id: str) -> Response:
+        return await files_api.one(self.gate, self.files, request, file_id)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def get_file_content(self, request: Request, file_id: str) -> Response:
+        return await files_api.content(self.gate, self.files, request, file_id)
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_one_file(self, request: Request, file_id: str) -> Response:
+        return await files_api.delete(self.gate, self.files, request, file_id)
+
+    @app.post("/v1/batches")
+    async def post_batch(self, request: Request) -> Response:
+        return await batch_api.create(self.gate, self.batches, self.files, request)
+
+    @app.get("/v1/batches")
+    async def get_batches(self, request: Request) -> Response:
+        return await batch_api.listed(self.gate, self.batches, request)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_one_batch(self, request: Request, batch_id: str) -> Response:
+        return await batch_api.retrieve(self.gate, self.batches, request, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(self, request: Request, batch_id: str) -> Response:
+        return await batch_api.cancel(self.gate, self.batches, request, batch_id)
+
     @app.get("/healthz")
     async def health(self) -> JSONResponse:
-        return await self.healthz()
+        return await model_api.health(self)
 
     @app.get("/health")  # vLLM's name for it
     async def health_alias(self) -> JSONResponse:
-        return await self.healthz()
+        return await model_api.health(self)
 
     @app.post("/tokenize")
     async def post_tokenize(self, request: Request) -> JSONResponse:
-        return await self.tokenize(request)
+        return await model_api.tokenize(self, request)
 
     @app.post("/detokenize")
     async def post_detokenize(self, request: Request) -> JSONResponse:
-        return await self.detokenize(request)
+        return await model_api.detokenize(self, request)
 
     @app.get("/metrics")
     async def prometheus(self, request: Request) -> PlainTextResponse:

@@ -31,6 +31,7 @@ class RequestObs:
         self.tel = tel
         self.route = route
         self.tenant = UNAUTHENTICATED
+        self.engine_tenant: str | None = None  # the engine's class for it, when not the tenant
         self.request_id: str | None = None
         self.start = time.perf_counter()
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0}

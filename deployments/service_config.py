@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from services.batches.files import FileCaps
+from services.batches.jobs import BatchCaps
 from services.compiler.service import CompileSettings
 from services.dialects import check
 from services.engine.config import EngineConfig
@@ -162,6 +164,25 @@ class AdaptersConfig(_Strict):
         return modules
 
 
+class FilesConfig(_Strict):
+    """Tenants' files for the Batch API (deployments/files_api.py): records in Redis, bytes in
+    `store`, a directory (None: a folder in the service's cache) or a bucket URL."""
+
+    store: str | None = None
+    store_options: dict[str, Any] = Field(default_factory=dict)  # fsspec's, e.g. endpoint_url
+    caps: FileCaps = FileCaps()  # a file's bytes; per tenant: files and bytes
+    upload_timeout_s: float = Field(default=300.0, gt=0, le=3600)  # a slow upload: 408
+
+
+class BatchesConfig(Backpressure):
+    """The Batch API (deployments/batch_api.py, batch_runner.py; needs Redis): the runner's
+    replicas, the lines each sends at once, and the caps per tenant."""
+
+    concurrency: int = Field(default=16, ge=1, le=1024)
+    lease_s: float = Field(default=30.0, ge=3, le=3600)  # a killed runner's batch waits this
+    caps: BatchCaps = BatchCaps()
+
+
 class ServiceConfig(_Strict):
     model: str | None = None  # a local HF folder; None: the default SmolLM2 package
     served_model_name: str = "SmolLM2-135M-Instruct"
@@ -175,3 +196,5 @@ class ServiceConfig(_Strict):
     grammar: GrammarServiceConfig = GrammarServiceConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     adapters: AdaptersConfig = AdaptersConfig()
+    files: FilesConfig = FilesConfig()
+    batches: BatchesConfig = BatchesConfig()

@@ -12,6 +12,11 @@ share goes to the others (work-conserving):
   prompt tokens to compute (decode tokens are one per request and never capped);
 - preemption for pages picks the newest request of the tenant furthest over its slot share.
 
+A tenant's batch lines (the Batch API) run as the tenant name plus `BATCH_SUFFIX`, a class of its
+own at `BATCH_WEIGHT`: its virtual time runs a thousand times faster, so it is admitted only when
+no interactive tenant has work waiting, and is the first preempted when one needs a slot; alone,
+it has the whole engine (work-conserving). Its prefixes are cached among its own lines.
+
 Work done for a tenant outside its tokens (an adapter copied into a slot for its request: the
 step waits for it) is charged as the tokens the engine computes in that time (`charge_time`, at
 the rate between its last steps), so cycling through adapters is not free compute.
@@ -23,6 +28,9 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+BATCH_SUFFIX = "/batch"  # no tenant name holds a '/' (service_config.TENANT_NAME)
+BATCH_WEIGHT = 1e-3
+
 
 @dataclass
 class FairShares:
@@ -30,6 +38,8 @@ class FairShares:
     _vtime: dict[str, float] = field(default_factory=dict)
 
     def weight(self, tenant: str) -> float:
+        if tenant.endswith(BATCH_SUFFIX):
+            return BATCH_WEIGHT
         return float(self.weights.get(tenant, 1.0))
 
     def vtime(self, tenant: str) -> float:

@@ -50,7 +50,7 @@ class Families:
             unit="{request}",
             description="429 answers by reason (the error's code; deployments/answers.py "
             "REASONS_429): rate, concurrency, tokens (tenant limits), replica_busy, grammar_busy, "
-            "kv_tier_full, registrations_cap, adapters_cap.",
+            "kv_tier_full, registrations_cap, adapters_cap, files_cap, batches_cap.",
         )
         # -- engine (replicas)
         self.ttft = m.create_histogram(

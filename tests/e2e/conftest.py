@@ -25,6 +25,8 @@ from e2e_support import (
 from deployments import local_ray
 from deployments.service_config import (
     AdaptersConfig,
+    BatchesConfig,
+    FilesConfig,
     GrammarServiceConfig,
     IngressConfig,
     TelemetryConfig,
@@ -32,6 +34,7 @@ from deployments.service_config import (
     TenantLimits,
 )
 from deployments.tenants import digest
+from services.batches.files import FileCaps
 from services.lora.registry import AdapterCaps
 
 # Ray as `structserve serve` runs it (listeners on loopback, token auth on): set before any test
@@ -94,6 +97,10 @@ def server(proxy, otlp, adapter_store):
     cfg = small_config(
         llm=llm.model_copy(update={"engine": engine}),
         adapters=AdaptersConfig(store=str(adapter_store), caps=AdapterCaps(max_adapters=3)),
+        batches=BatchesConfig(concurrency=4, lease_s=3),
+        files=FilesConfig(
+            store=str(adapter_store.parent / "files"), caps=FileCaps(max_file_bytes=1 << 20)
+        ),
         redis_url=redis_url(11),
         ingress=IngressConfig(num_replicas=2, body_timeout_s=3.0),
         # two workers each: one is kept for tenants with no compile running

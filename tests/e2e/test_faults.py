@@ -1,4 +1,5 @@
-"""Faults on a second application with its own Redis: the LLM replica killed mid-stream, Redis
+"""Faults on a second application with its own Redis: the LLM replica killed mid-stream, the
+batch runner and the LLM replica killed mid-batch (every custom_id comes out exactly once), Redis
 stopped. Nothing hangs, nothing is a 500, and the service recovers."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import requests
 from e2e_support import KEY_A, small_config, wait_healthy
 
-from deployments.service_config import TenantConfig
+from deployments.service_config import BatchesConfig, FilesConfig, TenantConfig
 from deployments.tenants import digest
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -24,13 +25,16 @@ def private_redis(redis_server):
 
 
 @pytest.fixture(scope="module")
-def faulty(proxy, private_redis):
+def faulty(proxy, private_redis, tmp_path_factory):
     from deployments.app import build_app
 
     base, serve = proxy
     url, _ = private_redis
     cfg = small_config(
-        redis_url=url, tenants=[TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)])]
+        redis_url=url,
+        tenants=[TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)])],
+        batches=BatchesConfig(concurrency=4, lease_s=3),
+        files=FilesConfig(store=str(tmp_path_factory.mktemp("faulty-files"))),
     )
     serve.run(build_app(cfg), name="faulty", route_prefix="/faulty", blocking=False)
     wait_healthy(f"{base}/faulty")
@@ -42,11 +46,11 @@ def _headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY_A}"}
 
 
-def _kill_llm_replica() -> None:
+def _kill_llm_replica(kind: str = "LLMReplica") -> None:
     import ray
 
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "faulty" in a["name"]]
-    replica = next(a for a in names if "LLMReplica" in a["name"])
+    replica = next(a for a in names if kind in a["name"])
     ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
 
 
@@ -89,6 +93,42 @@ def test_replica_killed_mid_stream_ends_the_stream_and_recovers(faulty):
             assert status in (None, 429, 503), exc
             assert time.monotonic() < deadline, "the replica did not come back"
             time.sleep(2)
+
+
+@pytest.mark.parametrize("kind", ["BatchRunner", "LLMReplica"])
+def test_a_batch_survives_a_replica_killed_mid_batch(faulty, kind):
+    c = openai.OpenAI(base_url=f"{faulty}/v1", api_key=KEY_A, max_retries=3, timeout=120)
+    ids = [f"r{i}" for i in range(16)]
+    lines = [
+        {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+                "max_tokens": 16,
+            },
+        }
+        for i, cid in enumerate(ids)
+    ]
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    file = c.files.create(file=("b.jsonl", data), purpose="batch")
+    batch = c.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 240
+    while c.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.3)
+    _kill_llm_replica(kind)
+    while (done := c.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, f"still {done.status} after the kill"
+        time.sleep(0.5)
+    assert done.status == "completed" and done.error_file_id is None
+    out = c.files.content(done.output_file_id).text.splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in out) == sorted(ids)  # each exactly once
+    wait_healthy(faulty)
 
 
 def test_redis_stopped_requests_still_succeed_registrations_answer_503(faulty, private_redis):

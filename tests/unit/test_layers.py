@@ -16,7 +16,7 @@ CORE = ("services", "kvcache", "grammar_registry", "deployments")
 # Lowest first. A unit is a top-level package, or a package or module directly in `services/`.
 LAYERS = (
     {"services", "services.settings", "grammar_registry"},
-    {"kvcache", "services.telemetry", "services.sandbox"},
+    {"kvcache", "services.telemetry", "services.sandbox", "services.batches"},
     {"services.models", "services.lora"},  # the model, and adapters on it
     {"services.grammar", "services.dialects"},  # grammars, and answers in a dialect (README)
     {"services.compiler"},

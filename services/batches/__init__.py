@@ -1,0 +1,1 @@
+"""The Batch API's parts below the service: tenants' files (files.py)."""
