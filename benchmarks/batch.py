@@ -220,6 +220,7 @@ def main() -> None:
 
     from deployments import local_ray
 
+    os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", "bench-verdict-secret-0123456789")
     local_ray.environment()
     local_ray.start(num_cpus=2, log_to_driver=False)
     from ray import serve

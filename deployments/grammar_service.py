@@ -145,7 +145,8 @@ class GrammarService:
         return {"workers": self.service.pool.size, "redis": redis_ok}
 
     def __del__(self) -> None:
-        self.service.close()
+        if (service := getattr(self, "service", None)) is not None:  # it may not have started
+            service.close()
 
 
 def _end_verdict_span(span: Any, verdict: Verdict | None) -> None:

@@ -3,9 +3,9 @@
 Each tenant's records are its own Redis hash (`structserve:tenant:<tenant>:files`, id -> record),
 so another tenant's id is simply absent: "not found" is the only answer it can get. The bytes
 live in a blob store the operator configures: a local directory by default, or a bucket (any
-fsspec URL, `s3://bucket/prefix` with the `s3` extra) through the same three calls. A file meant
-for a batch is checked as it is kept: UTF-8 JSONL (a line that is not JSON is left to the batch, which
-reports it in its error file); caps on a file's bytes and on a tenant's files and bytes.
+fsspec URL, `s3://bucket/prefix` with the `s3` extra) through the same three calls. A file
+meant for a batch is checked as it is kept: UTF-8 JSONL (a line that is not JSON is left to the
+batch, which reports it in its error file); caps on a file's bytes and a tenant's files and bytes.
 """
 
 from __future__ import annotations
