@@ -15,12 +15,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from deployments.answers import ApiError, error_response
-from deployments.files_api import _call as file_call
-from deployments.files_api import _limit
+from deployments.edge import screen
+from deployments.files_api import limit_of, store_call
 from deployments.observe import observe
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, new_id
 from services.batches.files import FileStore
-from services.batches.jobs import ENDPOINTS, FINAL, WINDOWS, BatchStore, CreateBatch
+from services.batches.jobs import ENDPOINTS, FINAL, WINDOWS, BatchStore, CreateBatch, page
 from services.engine.fairness import BATCH_SUFFIX
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ async def create(
         if body.completion_window not in WINDOWS:
             raise ApiError(400, f"completion_window: one of {list(WINDOWS)}", "completion_window")
         try:  # another tenant's file: the same 404 as none
-            record = await file_call(files.get, tenant, body.input_file_id)
+            record = await store_call(files.get, tenant, body.input_file_id)
         except ApiError as exc:
             exc.param = "input_file_id"
             raise
@@ -95,20 +95,7 @@ async def listed(gate: Gate, store: BatchStore | None, request: Any) -> JSONResp
     async with gate.metered(request) as tenant:
         records = await _store_call(_need(store).list, tenant)
     q = request.query_params
-    after, limit = q.get("after"), _limit(q.get("limit") or "20", 100)
-    if after is not None:
-        ids = [r.id for r in records]
-        records = records[ids.index(after) + 1 :] if after in ids else []
-    page = records[:limit]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [r.model_dump() for r in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": len(records) > limit,
-        }
-    )
+    return JSONResponse(page(records, q.get("after"), limit_of(q.get("limit"), 20, 100)))
 
 
 async def cancel(gate: Gate, store: BatchStore | None, request: Any, batch_id: str) -> Any:
@@ -139,8 +126,12 @@ async def line(ingress: Any, tenant: str, kind: str, body: dict[str, Any]) -> di
     try:
         lease = await ingress.gate.admit(tenant)
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        try:
+        try:  # the shape limits a request's body meets (edge.screen), then its model
+            screen(json.dumps(body).encode(), ingress.gate.body_limits)
             parsed = model.model_validate({**body, "stream": False})
+        except ApiError:
+            ingress.tenants.release(lease)
+            raise
         except ValidationError as exc:
             ingress.tenants.release(lease)
             first = exc.errors()[0]

@@ -19,6 +19,7 @@ from deployments.service_config import ServiceConfig
 from grammar_registry.registrations import RegistrationError
 from services import settings
 from services.batches.files import PURPOSES, FileError, FileStore, open_blobs
+from services.batches.jobs import page
 
 if TYPE_CHECKING:
     from deployments.gate import Gate
@@ -86,7 +87,7 @@ def form_fields(raw: bytes, content_type: str) -> dict[str, tuple[str | None, by
     return fields
 
 
-async def _call(fn: Any, *args: Any) -> Any:
+async def store_call(fn: Any, *args: Any) -> Any:
     """A store call off the event loop; its errors as HTTP errors naming their field."""
     try:
         return await asyncio.to_thread(fn, *args)
@@ -111,51 +112,40 @@ async def upload(gate: Gate, store: FileStore, config: ServiceConfig, request: A
         if "file" not in fields:
             raise ApiError(400, "file: missing (a form field named `file`)", "file")
         filename, data = fields["file"]
-        record = await _call(store.add, tenant, filename or "upload.jsonl", purpose, data)
+        record = await store_call(store.add, tenant, filename or "upload.jsonl", purpose, data)
     return JSONResponse(record.view())
 
 
 async def listed(gate: Gate, store: FileStore, request: Any) -> Response:
     async with gate.metered(request) as tenant:
         q = request.query_params
-        records = await _call(store.list, tenant, q.get("purpose"))
-    after, limit = q.get("after"), _limit(q.get("limit"), 10_000)
-    if after is not None:
-        ids = [r.id for r in records]
-        records = records[ids.index(after) + 1 :] if after in ids else []
-    page = records[:limit]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [r.view() for r in page],
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
-            "has_more": len(records) > limit,
-        }
-    )
+        records = await store_call(store.list, tenant, q.get("purpose"))
+    page_of = page(records, q.get("after"), limit_of(q.get("limit"), 10_000, 10_000))
+    return JSONResponse(page_of)
 
 
 async def one(gate: Gate, store: FileStore, request: Any, file_id: str) -> Response:
     async with gate.metered(request) as tenant:
-        record = await _call(store.get, tenant, file_id)
+        record = await store_call(store.get, tenant, file_id)
     return JSONResponse(record.view())
 
 
 async def content(gate: Gate, store: FileStore, request: Any, file_id: str) -> Response:
     async with gate.metered(request) as tenant:
-        data = await _call(store.content, tenant, file_id)
+        data = await store_call(store.content, tenant, file_id)
     return Response(data, media_type="application/jsonl")
 
 
 async def delete(gate: Gate, store: FileStore, request: Any, file_id: str) -> Response:
     async with gate.metered(request) as tenant:
-        await _call(store.delete, tenant, file_id)
+        await store_call(store.delete, tenant, file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-def _limit(raw: str | None, cap: int) -> int:
+def limit_of(raw: str | None, default: int, cap: int) -> int:
+    """A list route's `limit`: 400 unless an integer from 1 to `cap`."""
     if raw is None:
-        return cap
+        return default
     if not raw.isdigit() or not 1 <= int(raw) <= cap:
         raise ApiError(400, f"limit: an integer from 1 to {cap}", "limit")
     return int(raw)

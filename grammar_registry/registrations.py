@@ -45,6 +45,17 @@ class Registration(BaseModel):
     warnings: list[str] = []
 
 
+def hash_call(client: Any, what: str, method: str, *args: Any) -> Any:
+    """A Redis hash command on `client`; its failures become a 503 naming `what`: per-tenant
+    registrations (grammars, adapters, files) need the store, unlike the grammar cache, which
+    falls back to compiling."""
+    try:
+        return getattr(client, method)(*args)
+    except Exception as exc:
+        message = f"{what}: the store is unavailable ({type(exc).__name__}); try again later"
+        raise RegistrationError(message, 503) from exc
+
+
 class DictHashes:
     """The few Redis hash commands the store uses, on a dict: for running without Redis."""
 
@@ -82,15 +93,7 @@ class RegistrationStore:
         return f"structserve:tenant:{tenant}:grammars"
 
     def _call(self, method: str, *args: Any) -> Any:
-        """A Redis call; its failures become a 503 (registrations need the store, unlike the
-        grammar cache, which falls back to compiling)."""
-        try:
-            return getattr(self.client, method)(*args)
-        except Exception as exc:
-            raise RegistrationError(
-                f"registrations: the store is unavailable ({type(exc).__name__}); try again later",
-                503,
-            ) from exc
+        return hash_call(self.client, "registrations", method, *args)
 
     def add(self, tenant: str, name: str, spec: GrammarSpec, **meta: Any) -> Registration:
         size = spec.size_bytes()

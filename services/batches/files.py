@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grammar_registry.registrations import DictHashes, RegistrationError
+from grammar_registry.registrations import DictHashes, hash_call
 
 PURPOSES = ("batch",)  # what a tenant may upload; the service writes batch_output files itself
 
@@ -136,7 +136,7 @@ def jsonl_lines(data: bytes) -> int:
 def _is_object(line: str) -> bool:
     try:
         return isinstance(json.loads(line), dict)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: not a line we read
         return False
 
 
@@ -152,11 +152,7 @@ class FileStore:
         return f"structserve:tenant:{tenant}:files"
 
     def _call(self, method: str, *args: Any) -> Any:
-        try:
-            return getattr(self.client, method)(*args)
-        except Exception as exc:
-            message = f"files: the store is unavailable ({type(exc).__name__}); try again"
-            raise RegistrationError(message, 503) from exc
+        return hash_call(self.client, "files", method, *args)
 
     def add(
         self, tenant: str, filename: str, purpose: str, data: bytes, service: bool = False

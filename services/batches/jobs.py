@@ -69,6 +69,9 @@ class BatchRecord(BaseModel):
     )
     metadata: dict[str, str] | None = None
 
+    def view(self) -> dict[str, Any]:
+        return self.model_dump()
+
 
 @dataclass(frozen=True)
 class Line:
@@ -88,7 +91,7 @@ def read_lines(data: bytes, endpoint: str) -> tuple[list[Line], list[dict[str, A
             continue
         try:
             item = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth: not JSON here
             item = None
         cid = item.get("custom_id") if isinstance(item, dict) else None
         why = _refusal(item, cid, seen, endpoint)
@@ -133,6 +136,21 @@ def output_line(cid: str, status: int, body: dict[str, Any], request_id: str) ->
         "custom_id": cid,
         "response": {"status_code": status, "request_id": request_id, "body": body},
         "error": None,
+    }
+
+
+def page(records: list[Any], after: str | None, limit: int) -> dict[str, Any]:
+    """OpenAI's list page over `records` (newest first, each with `id` and `view()`)."""
+    if after is not None:
+        ids = [r.id for r in records]
+        records = records[ids.index(after) + 1 :] if after in ids else []
+    kept = records[:limit]
+    return {
+        "object": "list",
+        "data": [r.view() for r in kept],
+        "first_id": kept[0].id if kept else None,
+        "last_id": kept[-1].id if kept else None,
+        "has_more": len(records) > limit,
     }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grammar_registry.registrations import DictHashes, RegistrationError
+from grammar_registry.registrations import DictHashes, RegistrationError, hash_call
 
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$"
 
@@ -68,11 +68,7 @@ class AdapterRegistry:
         return f"structserve:tenant:{tenant}:adapters"
 
     def _call(self, method: str, *args: Any) -> Any:
-        try:
-            return getattr(self.client, method)(*args)
-        except Exception as exc:
-            message = f"adapters: the store is unavailable ({type(exc).__name__}); try again"
-            raise RegistrationError(message, 503) from exc
+        return hash_call(self.client, "adapters", method, *args)
 
     def check_new(self, tenant: str, name: str, taken: tuple[str, ...] = ()) -> None:
         """Before a registration reads a byte: its name free, the tenant's count under its cap.

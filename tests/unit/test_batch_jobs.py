@@ -94,3 +94,10 @@ def test_the_batch_class_gets_what_interactive_tenants_leave():
     shares.charge("acme", 1000)
     assert shares.next_tenant([batch, "acme"]) == "acme"  # 10 tokens weigh more than 1000
     assert shares.split(8, {batch: None, "acme": 1}) == {batch: 7, "acme": 1}  # alone: all left
+
+
+def test_a_line_nested_past_the_parsers_depth_is_an_error_line_not_a_crash():
+    data = ("[" * 100_000 + "\n" + line("ok")).encode()
+    lines, errors = read_lines(data, URL)
+    assert [x.custom_id for x in lines] == ["ok"]
+    assert [(e["error"]["line"], e["error"]["code"]) for e in errors] == [(1, "invalid_json")]

@@ -42,6 +42,8 @@ def test_batch_files_are_jsonl_objects_within_caps(store):
     assert "not JSONL" in error(store.add, "a", "x", "batch", b"not json\n[1]\n")[1]
     assert "no lines" in error(store.add, "a", "x", "batch", b"\n\n")[1]
     assert "UTF-8" in error(store.add, "a", "x", "batch", b"\xff\n")[1]
+    nested = b"[" * 4000 + b"\n"  # past the parser's depth (under the cap): refused, not a crash
+    assert "not JSONL" in error(store.add, "a", "x", "batch", nested)[1]
     mixed = store.add("a", "x", "batch", LINE + b"not json\n\n" + LINE)  # the batch reports it
     assert mixed.lines == 3
     store.delete("a", mixed.id)
