@@ -34,6 +34,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.measure import pct  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"greedy": "sk-bench-greedy", "steady": "sk-bench-steady", "heavy": "sk-bench-heavy"}
@@ -46,13 +48,6 @@ PATTERNS = (
     "oversized_grammars",
 )
 DEADLINE_S = 2.0  # the compile deadline of this deployment
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def fresh_schema(tag: str, fields: int) -> dict[str, Any]:

@@ -20,16 +20,11 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.measure import pct
 from services import LLM, SamplingParams
 from services.models import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def run(llm: LLM, args: argparse.Namespace, flood: bool) -> dict:

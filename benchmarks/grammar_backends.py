@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from benchmarks.measure import pct  # noqa: E402
 from grammar_registry.limits import GrammarLimits, check_limits  # noqa: E402
 from services.compiler.probe import PROBE_STEPS, probe_masks  # noqa: E402
 from services.grammar.backend import GrammarError  # noqa: E402
@@ -42,11 +42,6 @@ from services.models import load_model  # noqa: E402
 
 MASKBENCH = ROOT.parent / "shared" / "data" / "maskbench"
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def make_backends(default: str) -> Backends:

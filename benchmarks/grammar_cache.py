@@ -30,16 +30,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.measure import pct  # noqa: E402
 
 MASKBENCH = ROOT.parent / "shared" / "data" / "maskbench"
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def load_schemas(limit: int) -> list[tuple[str, dict]]:

@@ -35,6 +35,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.measure import pct  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"a": "sk-bench-prefix-a", "b": "sk-bench-prefix-b"}
@@ -76,11 +78,6 @@ def system_prompt(app: int, tokens: int = 1500) -> str:
 
 def user_turn(i: int) -> str:
     return f"Invoice {i}: ACME Tools Ltd, {i % 9 + 1} hammers, total {17.5 * (i % 13 + 1):.2f} EUR."
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 async def one(client: Any, system: str, user: str, salt: str | None = None) -> dict[str, Any]:

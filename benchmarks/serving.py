@@ -32,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.measure import pct  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 KEY = "sk-bench"
 SCHEMA = {
@@ -78,13 +80,6 @@ class Latencies:
             self.chunks += 1
 
         return chunk
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def sse_events(response: Any) -> AsyncIterator[dict[str, Any]]:

@@ -117,14 +117,17 @@ def _cancelling(record: Any) -> None:
 
 async def line(ingress: Any, tenant: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
     """One line of `tenant`'s batch (deployments/batch_runner.py), answered as its endpoint
-    answers a request, whole (no stream), within the tenant's limits, its rows in the engine's
-    batch class (services/engine/fairness.py: what interactive requests leave). `{"status",
-    "body", "request_id"}`; a 429 or 503 says when to try again (`retry_after`)."""
+    answers a request, whole (no stream), within the tenant's tokens per minute, its rows in the
+    engine's batch class (services/engine/fairness.py: what interactive requests leave).
+    `{"status", "body", "request_id"}`; a 429 or 503 says when to try again (`retry_after`)."""
     obs = observe(kind, {})
     obs.tenant, obs.engine_tenant = tenant, tenant + BATCH_SUFFIX
     rid = new_id(ingress_ids[kind], None)
     try:
-        lease = await ingress.gate.admit(tenant)
+        # the tenant's tokens per minute, not its concurrency or requests per minute: the runner
+        # bounds the lines in flight, and a running batch never turns its interactive requests
+        # away
+        lease = await ingress.gate.admit(tenant, tokens_only=True)
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:  # the shape limits a request's body meets (edge.screen), then its model
             screen(json.dumps(body).encode(), ingress.gate.body_limits)

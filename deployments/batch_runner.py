@@ -137,6 +137,8 @@ class BatchRunner:
                 try:
                     await self._lines(tenant, record)
                 except FileError as exc:  # the input file was deleted meanwhile
+                    if exc.status >= 500:  # the file store does not answer: try again later
+                        raise
                     await asyncio.to_thread(store.update, tenant, batch_id, _failed(str(exc)))
                     await asyncio.to_thread(self.redis.lrem, QUEUE, 0, f"{tenant}/{batch_id}")
                     return

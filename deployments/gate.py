@@ -46,11 +46,14 @@ class Gate:
         except AuthError as exc:
             raise ApiError(401, str(exc)) from exc
 
-    async def admit(self, tenant: str, lease: Lease | None = None, more: int = 0) -> Lease:
-        """A new lease (one slot and a rate token), or `more` slots on `lease`."""
+    async def admit(
+        self, tenant: str, lease: Lease | None = None, more: int = 0, tokens_only: bool = False
+    ) -> Lease:
+        """A new lease (one slot and a rate token; `tokens_only`: neither, a batch line's), or
+        `more` slots on `lease`."""
         try:
             if lease is None:
-                return await self.tenants.admit(tenant)
+                return await self.tenants.admit(tenant, tokens_only=tokens_only)
             await self.tenants.grow(lease, more)
             return lease
         except NeverFits as exc:  # no retry can help: a 400, not a 429

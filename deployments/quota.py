@@ -35,15 +35,15 @@ _PREFIX = "structserve:quota"
 _ADMIT = """
 local now, rpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local tpm, slots, lease, expiry = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
-local rate_only, start = ARGV[8] == '1', tonumber(ARGV[9])
+local mode, start = ARGV[8], tonumber(ARGV[9])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('ZCARD', KEYS[2]) + slots > conc then return {'concurrency', '1'} end
-if not rate_only and tpm > 0 then
+if slots > 0 and redis.call('ZCARD', KEYS[2]) + slots > conc then return {'concurrency', '1'} end
+if mode ~= 'slots' and tpm > 0 then
   local t = redis.call('HMGET', KEYS[3], 'level', 'at')
   local level = math.min(tpm, (tonumber(t[1]) or tpm) + (now - (tonumber(t[2]) or now)) * tpm / 60)
   if level <= 0 then return {'tokens', tostring((1 - level) * 60 / tpm)} end
 end
-if not rate_only then
+if mode == 'all' then
   local r = redis.call('HMGET', KEYS[1], 'level', 'at')
   local level = math.min(rpm, (tonumber(r[1]) or rpm) + (now - (tonumber(r[2]) or now)) * rpm / 60)
   if level < 1 then return {'rate', tostring((1 - level) * 60 / rpm)} end
@@ -93,6 +93,7 @@ class Lease:
     slots: int
     local: bool  # admitted on the local count (Redis was down): released there too
     released: bool = False
+    tokens_only: bool = False  # a batch line's: no slots, no rate token (Quota.admit_tokens)
 
 
 @dataclass
@@ -140,13 +141,20 @@ class Quota:
     def admit(self, tenant: str, lim: TenantLimits, slots: int = 1) -> Lease:
         """Takes a rate token and `slots` concurrency slots, or raises `LimitError`."""
         lease = Lease(tenant, secrets.token_hex(8), 0, local=False)
-        self._take(lease, lim, slots, rate_only=False)
+        self._take(lease, lim, slots, "all")
+        return lease
+
+    def admit_tokens(self, tenant: str, lim: TenantLimits) -> Lease:
+        """A lease that only charges tokens (a batch line: the runner bounds how many run, the
+        batch is not requests per minute), or `LimitError` while the tenant's tokens are spent."""
+        lease = Lease(tenant, secrets.token_hex(8), 0, local=False, tokens_only=True)
+        self._take(lease, lim, 0, "tokens")
         return lease
 
     def grow(self, lease: Lease, lim: TenantLimits, slots: int) -> None:
         """`slots` more concurrency slots for the same request (its `n` once the body is read)."""
-        if slots > 0:
-            self._take(lease, lim, slots, rate_only=True)
+        if slots > 0 and not lease.tokens_only:
+            self._take(lease, lim, slots, "slots")
 
     def release(self, lease: Lease, lim: TenantLimits, tokens: int = 0) -> None:
         """Frees the lease's slots and charges the tokens its answer used."""
@@ -217,9 +225,11 @@ class Quota:
 
     # -- Redis ------------------------------------------------------------------------------
 
-    def _take(self, lease: Lease, lim: TenantLimits, slots: int, rate_only: bool) -> None:
+    def _take(self, lease: Lease, lim: TenantLimits, slots: int, mode: str) -> None:
+        """`mode`: "all" (slots, a rate token, tokens left), "slots" (more slots for an admitted
+        request), "tokens" (tokens left only)."""
         if lease.local or (not lease.slots and not self._redis_up()):
-            self._take_local(lease, lim, slots, rate_only)
+            self._take_local(lease, lim, slots, mode)
             return
         if not self._redis_up():  # half admitted on Redis: its slots cannot be counted locally
             raise LimitError("limits are unavailable; try again", 1.0, "concurrency")
@@ -228,7 +238,7 @@ class Quota:
         # members are <lease>#1..#slots; a grown lease's new ones continue the numbering
         args = (
             *(now, lim.requests_per_minute, lim.max_concurrent, lim.tokens_per_minute or 0),
-            *(slots, lease.lease_id, now + LEASE_S, "1" if rate_only else "0", lease.slots),
+            *(slots, lease.lease_id, now + LEASE_S, mode, lease.slots),
         )
         keys = [self._key(lease.tenant, k) for k in ("rate", "active", "tokens")]
         try:
@@ -237,7 +247,7 @@ class Quota:
             self._failed(exc)
             if lease.slots:  # half admitted on Redis: its slots there expire with the lease
                 raise LimitError("limits are unavailable; try again", 1.0, "concurrency") from exc
-            self._take_local(lease, lim, slots, rate_only)
+            self._take_local(lease, lim, slots, mode)
             return
         reason, wait = (x.decode() if isinstance(x, bytes) else str(x) for x in out)
         if reason != "ok":
@@ -246,7 +256,8 @@ class Quota:
             late = lease.released  # released while these slots were being taken
             if not late:
                 lease.slots += slots
-                self._held[lease.lease_id] = lease
+                if lease.slots:  # renewed while held (a tokens-only lease holds nothing)
+                    self._held[lease.lease_id] = lease
         if late:
             first = lease.slots + 1
             members = [f"{lease.lease_id}#{i}" for i in range(first, first + slots)]
@@ -280,7 +291,7 @@ class Quota:
     def _share(self, value: int) -> int:
         return max(1, value // self.replicas)
 
-    def _take_local(self, lease: Lease, lim: TenantLimits, slots: int, rate_only: bool) -> None:
+    def _take_local(self, lease: Lease, lim: TenantLimits, slots: int, mode: str) -> None:
         now = self.clock()
         rpm, tpm = self._share(lim.requests_per_minute), lim.tokens_per_minute
         tpm = self._share(tpm) if tpm else 0
@@ -290,11 +301,11 @@ class Quota:
             t = self._local.get(lease.tenant)
             if t is None:
                 t = self._local[lease.tenant] = _Local(_Bucket(rpm, now), _Bucket(tpm, now))
-            if t.active + slots > self._share(lim.max_concurrent):
+            if slots and t.active + slots > self._share(lim.max_concurrent):
                 raise _refusal("concurrency", 1.0, lim)
-            if not rate_only and tpm and t.tokens.refill(tpm, now) <= 0:
+            if mode != "slots" and tpm and t.tokens.refill(tpm, now) <= 0:
                 raise _refusal("tokens", (1 - t.tokens.level) * 60 / tpm, lim)
-            if not rate_only:
+            if mode == "all":
                 if t.rate.refill(rpm, now) < 1:
                     raise _refusal("rate", (1 - t.rate.level) * 60 / rpm, lim)
                 t.rate.level -= 1

@@ -131,13 +131,18 @@ class Tenants:
 
     # -- whether they may, now --------------------------------------------------------------
 
-    async def admit(self, tenant: str, slots: int = 1) -> Lease:
-        """A lease on a rate token and `slots` concurrency slots, or `LimitError` (429)."""
+    async def admit(self, tenant: str, slots: int = 1, tokens_only: bool = False) -> Lease:
+        """A lease on a rate token and `slots` concurrency slots, or `LimitError` (429);
+        `tokens_only`: on the tenant's tokens per minute alone (a batch line)."""
         self.check_fits(tenant, slots)
         loop = asyncio.get_running_loop()
         if self._renewing is None and self.redis is not None:
             self._renewing = loop.create_task(self._renew())
-        taking = loop.run_in_executor(None, self.quota.admit, tenant, self.limits_of(tenant), slots)
+        lim = self.limits_of(tenant)
+        if tokens_only:
+            taking = loop.run_in_executor(None, self.quota.admit_tokens, tenant, lim)
+        else:
+            taking = loop.run_in_executor(None, self.quota.admit, tenant, lim, slots)
         try:
             return await asyncio.shield(taking)
         except asyncio.CancelledError:  # the client left while its slot was being taken:
@@ -150,6 +155,8 @@ class Tenants:
 
     async def grow(self, lease: Lease, slots: int) -> None:
         """`slots` more concurrency slots on an admitted request (its extra choices)."""
+        if lease.tokens_only:  # a batch line's choices are bounded by the runner, as its lines
+            return
         self.check_fits(lease.tenant, lease.slots + slots)
         await asyncio.to_thread(self.quota.grow, lease, self.limits_of(lease.tenant), slots)
 

@@ -15,6 +15,7 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -91,7 +92,8 @@ class LocalBlobs:
 
 
 class RemoteBlobs:
-    """Blobs in a bucket (any fsspec URL)."""
+    """Blobs in a bucket (any fsspec URL). A bucket that does not answer is a 503 (the client
+    may try again), never a 500; a missing object stays FileNotFoundError."""
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         import fsspec
@@ -99,15 +101,27 @@ class RemoteBlobs:
         self.fs, root = fsspec.core.url_to_fs(url, **(options or {}))
         self.root = root.rstrip("/")
 
+    @contextlib.contextmanager
+    def _answering(self) -> Iterator[None]:
+        try:
+            yield
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"[:200]
+            raise FileError(f"the file store is unavailable ({reason})", 503, None) from exc
+
     def put(self, key: str, data: bytes) -> None:
-        self.fs.pipe_file(f"{self.root}/{key}", data)
+        with self._answering():
+            self.fs.pipe_file(f"{self.root}/{key}", data)
 
     def get(self, key: str) -> bytes:
-        data: bytes = self.fs.cat_file(f"{self.root}/{key}")
+        with self._answering():
+            data: bytes = self.fs.cat_file(f"{self.root}/{key}")
         return data
 
     def delete(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self._answering():
             self.fs.rm_file(f"{self.root}/{key}")
 
 

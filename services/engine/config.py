@@ -137,6 +137,12 @@ class SchedulingConfig:
     # tenants' whole batch. None: on for cpu, where a step's time grows with the batch; off for
     # cuda, where a decode batch costs about what one sequence does. False: the plain twin.
     newcomer_steps: bool | None = None
+    # With fair scheduling, while any interactive request runs or waits, the batch class (Batch
+    # API lines, fairness.BATCH_SUFFIX) computes at most this many of its running rows a step
+    # (the oldest; the rest keep their pages and wait, nothing is recomputed) and admits no more:
+    # interactive steps stay about as short as alone. None: 2 on cpu, where a step's time grows
+    # with its rows; `max_num_seqs // 2` on cuda. `max_num_seqs`: no cap (the plain twin).
+    batch_rows_beside: int | None = None
 
     def __post_init__(self) -> None:
         self._check_scheduling()
@@ -146,6 +152,8 @@ class SchedulingConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens: must be >= 1")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars: must be >= 1")
+        if self.batch_rows_beside is not None and self.batch_rows_beside < 1:
+            raise ValueError("batch_rows_beside: must be >= 1 (batch lines always advance)")
         for tenant, weight in (self.tenant_weights or {}).items():
             if not weight > 0:
                 raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
@@ -154,6 +162,13 @@ class SchedulingConfig:
         if self.newcomer_steps is None:
             return self.fair_scheduling and device.type == "cpu"
         return self.fair_scheduling and self.newcomer_steps
+
+    def batch_rows_on(self, device: torch.device) -> int:
+        if not self.fair_scheduling:
+            return self.max_num_seqs
+        if self.batch_rows_beside is None:
+            return 2 if device.type == "cpu" else max(1, self.max_num_seqs // 2)
+        return self.batch_rows_beside
 
 
 @dataclass(frozen=True, kw_only=True)

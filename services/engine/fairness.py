@@ -15,7 +15,9 @@ share goes to the others (work-conserving):
 A tenant's batch lines (the Batch API) run as the tenant name plus `BATCH_SUFFIX`, a class of its
 own at `BATCH_WEIGHT`: its virtual time runs a thousand times faster, so it is admitted only when
 no interactive tenant has work waiting, and is the first preempted when one needs a slot; alone,
-it has the whole engine (work-conserving). Its prefixes are cached among its own lines.
+it has the whole engine (work-conserving). Beside interactive work it computes only a few rows a
+step (scheduler.py, `batch_rows_beside`), so its lines cannot lengthen interactive steps. Its
+prefixes are cached among its own lines.
 
 Work done for a tenant outside its tokens (an adapter copied into a slot for its request: the
 step waits for it) is charged as the tokens the engine computes in that time (`charge_time`, at
@@ -32,13 +34,18 @@ BATCH_SUFFIX = "/batch"  # no tenant name holds a '/' (service_config.TENANT_NAM
 BATCH_WEIGHT = 1e-3
 
 
+def is_batch(tenant: str) -> bool:
+    """Whether `tenant` is a tenant's batch class."""
+    return tenant.endswith(BATCH_SUFFIX)
+
+
 @dataclass
 class FairShares:
     weights: Mapping[str, float] = field(default_factory=dict)  # tenant -> weight (default 1)
     _vtime: dict[str, float] = field(default_factory=dict)
 
     def weight(self, tenant: str) -> float:
-        if tenant.endswith(BATCH_SUFFIX):
+        if is_batch(tenant):
             return BATCH_WEIGHT
         return float(self.weights.get(tenant, 1.0))
 

@@ -5,23 +5,15 @@ admits waiting ones while the token budget, the batch size and free pages allow.
 request needs a page and none is free, the most recently admitted request is preempted: its pages
 are freed and it goes back to the head of the queue, to be recomputed later (vLLM's recompute mode).
 
-With `fair_scheduling=True` (the default) tenants share the engine by weight
-(`services/engine/fairness.py`): the next request admitted is the backlogged tenant's with the
-least virtual time, a tenant below its share of batch slots takes one from the tenant furthest
-over its own, prompt tokens per step are split between the tenants with prompts to compute, and
-preemption for pages picks from the tenant furthest over its share. `fair_scheduling=False` is
-the plain twin: arrival order, newest preempted.
-
-With `newcomer_steps=True` (fair only) a tenant with nothing running has its first chunk computed
-in a step of its own, the running requests waiting that one step: its first token costs a small
-forward instead of the whole batch's (on a CPU a batch of 16 decodes takes about twice as long
-as one). Never two such steps in a row, so the others' decodes advance at least every other step,
-and a tenant has at most one in `NEWCOMER_GAP` steps, so one sending request after request (an
-abort storm) cannot take them all.
+With `fair_scheduling=True` (the default) tenants share the engine by weight: who is admitted,
+who is preempted, the prompt tokens each computes a step, newcomer steps and the batch class's
+rows (`services/engine/fair_policy.py`, on `services/engine/fairness.py`'s virtual times).
+`fair_scheduling=False` is the plain twin: arrival order, newest preempted.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,12 +22,11 @@ import torch
 
 from kvcache.pages import PageAllocator, pages_needed
 from services.engine.config import EngineConfig, SchedulingConfig
+from services.engine.fair_policy import BATCH_HOLD_S, FairPolicy
 from services.engine.fairness import FairShares
 from services.engine.prefix_cache import PrefixCache
 from services.engine.request import Request, RequestStatus
 from services.lora.manager import AdapterManager
-
-NEWCOMER_GAP = 8  # steps between two newcomer steps of one tenant
 
 
 @dataclass(frozen=True)
@@ -64,7 +55,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
 
-class Scheduler:
+class Scheduler(FairPolicy):
     def __init__(
         self,
         config: SchedulingConfig,
@@ -72,14 +63,20 @@ class Scheduler:
         allocator: PageAllocator,
         shares: FairShares | None = None,
         newcomer_steps: bool = False,
+        batch_rows: int | None = None,
     ) -> None:
-        """`newcomer_steps`: `config.newcomer_steps` as decided for the device (fair only)."""
+        """`newcomer_steps`, `batch_rows`: the config's as decided for the device (fair only;
+        `batch_rows` None: no cap)."""
         self.config = config
         self.page_size = page_size
         self.newcomer_steps = config.fair_scheduling and newcomer_steps
         self.allocator = allocator
         self.shares = shares if shares is not None else FairShares()
         self._caps: dict[str, int] | None = None  # this step's prompt tokens per tenant
+        self.batch_rows = batch_rows if config.fair_scheduling else None
+        self._batch_room: int | None = None  # batch-class rows this step may still take
+        self._interactive_at = -BATCH_HOLD_S  # when interactive work was last seen
+        self.clock: Callable[[], float] = time.monotonic
         # called when a request's pages go back (finish, preemption): the host tier frees its own
         self.on_release: Callable[[Request], None] | None = None
         # asked for pages before anyone is preempted (the host tier's hot sets are a cache)
@@ -100,8 +97,9 @@ class Scheduler:
         cls, config: EngineConfig, allocator: PageAllocator, device: torch.device
     ) -> Scheduler:
         shares = FairShares(dict(config.tenant_weights or {}))
-        newcomer = config.newcomer_steps_on(device)
-        return cls(config.scheduling, config.cache.page_size, allocator, shares, newcomer)
+        sched = config.scheduling
+        newcomer, rows = sched.newcomer_steps_on(device), sched.batch_rows_on(device)
+        return cls(sched, config.cache.page_size, allocator, shares, newcomer, rows)
 
     def add(self, request: Request) -> None:
         busy = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
@@ -120,6 +118,7 @@ class Scheduler:
         if fair:
             self._rebalance_slots(out)
             self._caps = self._prefill_caps()
+        self._batch_room = self._batch_rows_now()
         if not self._newcomer_step(out):
             short = self._schedule_running(out, self.config.max_num_batched_tokens)
             if short is not None:  # no pages were short: there may be room for more
@@ -130,103 +129,6 @@ class Scheduler:
         self.shares.stepped(sum(c.num_positions for c in out.chunks))
         return out
 
-    # -- fair shares ---------------------------------------------------------------------
-
-    def _newcomer_step(self, out: SchedulerOutput) -> bool:
-        """Admits only tenants with nothing running, when others are running (True: done)."""
-        last, self._newcomer_last = self._newcomer_last, False
-        self._steps += 1
-        if not self.newcomer_steps or last or not self.running:
-            return False
-        now, recent = self._steps, self._newcomer_at
-        busy = {r.tenant for r in self.running} | {
-            t for t, at in recent.items() if now - at < NEWCOMER_GAP
-        }
-        fresh = {r.tenant for r in self.waiting if r.ready and r.tenant not in busy}
-        if not fresh:
-            return False
-        self._caps = self._prefill_caps(fresh)
-        admitted = len(out.chunks)
-        self._admit_waiting(out, self.config.max_num_batched_tokens, only=fresh)
-        self._newcomer_last = len(out.chunks) > admitted
-        if not self._newcomer_last:  # no room for them (pages): an ordinary step
-            self._caps = self._prefill_caps()
-            return False
-        self._newcomer_at = {t: at for t, at in recent.items() if now - at < NEWCOMER_GAP}
-        self._newcomer_at.update({c.request.tenant: now for c in out.chunks[admitted:]})
-        return True
-
-    def _ready_waiting(self) -> Counter[str]:
-        return Counter(r.tenant for r in self.waiting if r.ready)
-
-    def _slot_shares(self) -> dict[str, int]:
-        held, waiting = Counter(r.tenant for r in self.running), self._ready_waiting()
-        demand = {t: held[t] + waiting[t] for t in held | waiting}
-        return self.shares.split(self.config.max_num_seqs, demand)
-
-    def _rebalance_slots(self, out: SchedulerOutput) -> None:
-        """A full batch gives the slots of tenants over their share to those waiting under it."""
-        if len(self.running) < self.config.max_num_seqs or not self.waiting:
-            return
-        shares, waiting = self._slot_shares(), self._ready_waiting()
-        held = Counter(r.tenant for r in self.running)
-        for tenant in sorted(waiting, key=self.shares.vtime):
-            for _ in range(min(waiting[tenant], shares[tenant] - held[tenant])):
-                over = self.shares.most_over(held, shares)
-                if over is None:
-                    return
-                victim = next(r for r in reversed(self.running) if r.tenant == over)
-                self._preempt(victim, out)
-                held[over] -= 1
-                held[tenant] += 1  # the slot is the waiting tenant's now (admitted below)
-
-    def _prefill_caps(self, only: set[str] | None = None) -> dict[str, int] | None:
-        """Prompt tokens each tenant (of `only`: a newcomer step, no decodes) may compute this
-        step (None: nobody else wants any)."""
-        if not self.config.enable_chunked_prefill:
-            return None
-        demand: Counter[str] = Counter()
-        decodes = 0
-        for r in self.running if only is None else ():
-            if r.num_uncomputed_tokens > 1:
-                demand[r.tenant] += r.num_uncomputed_tokens
-            else:
-                decodes += 1
-        for r in self.waiting:
-            if r.ready and (only is None or r.tenant in only):
-                demand[r.tenant] += r.num_uncomputed_tokens
-        if len(demand) < 2:
-            return None
-        budget = max(0, self.config.max_num_batched_tokens - decodes)
-        return self.shares.split(budget, dict(demand))
-
-    def _capped(self, req: Request, n: int) -> int:
-        """`n` within the tenant's prompt tokens left this step (decode tokens: never capped)."""
-        if self._caps is None or req.num_uncomputed_tokens <= 1:
-            return n
-        n = min(n, self._caps.get(req.tenant, 0))
-        self._caps[req.tenant] = self._caps.get(req.tenant, 0) - n
-        return n
-
-    def _next_waiting(self, skip: set[int], only: set[str] | None = None) -> Request | None:
-        """Fair: the first ready request of the tenant with the least virtual time (of `only`),
-        among those under their slot share if any is; else the first ready one."""
-        if not self.config.fair_scheduling:
-            return next((r for r in self.waiting if r.ready and id(r) not in skip), None)
-        ready = [
-            r
-            for r in self.waiting
-            if r.ready and id(r) not in skip and (only is None or r.tenant in only)
-        ]
-        if not ready:
-            return None
-        tenants = list(dict.fromkeys(r.tenant for r in ready))
-        shares = self._slot_shares()
-        held = Counter(r.tenant for r in self.running)
-        under = [t for t in tenants if held[t] < shares.get(t, 0)] or tenants
-        tenant = self.shares.next_tenant(under)
-        return next(r for r in ready if r.tenant == tenant)
-
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int | None:
         """The budget left, or None when pages ran short (requests were preempted for them)."""
         scheduled: set[int] = set()
@@ -234,6 +136,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if not self._batch_row(req):  # a batch line paused beside interactive work
+                i += 1
+                continue
             n = self._capped(req, min(req.num_uncomputed_tokens, budget, self._chunk_limit(req)))
             if n == 0:  # its tenant's prompt tokens for this step are spent
                 i += 1
@@ -287,6 +192,7 @@ class Scheduler:
                 break
             if self.prefix is not None:
                 self.prefix.admitted(req, cached)
+            self._batch_row(req)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

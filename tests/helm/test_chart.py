@@ -293,6 +293,33 @@ def test_the_adapter_store_is_a_pvc_or_a_bucket() -> None:
     assert proc.returncode != 0 and "not both" in proc.stderr
 
 
+def test_the_file_store_is_a_shared_pvc_or_a_bucket_with_the_adapters_credentials() -> None:
+    docs = _render_with({"fileStore.pvc.claimName": "batch-files"})
+    _, args = serve_args(docs)
+    assert args["files"]["store"] == "/files"
+    for _, pod in pod_templates(one(docs, "RayService")):
+        volumes = pod["spec"]["volumes"]
+        assert {"name": "file-store", "persistentVolumeClaim": {"claimName": "batch-files"}} in (
+            volumes
+        )  # written by the runner: not read-only
+        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "file-store", "mountPath": "/files"} in mounts
+    both = {
+        "fileStore.bucket.url": "s3://batches/files",
+        "fileStore.bucket.secretName": "s3",
+        "adapterStore.bucket.url": "s3://lora/tenants",
+        "adapterStore.bucket.secretName": "s3",
+    }
+    _, args = serve_args(_render_with(both))
+    assert args["files"]["store"] == "s3://batches/files"
+    assert args["adapters"]["store"] == "s3://lora/tenants"
+    values = default_values()
+    for dotted, value in {**both, "fileStore.bucket.secretName": "other"}.items():
+        _set(values, dotted, value)
+    proc = helm(*template_args(["-"]), stdin=yaml.safe_dump(values), check=False)
+    assert proc.returncode != 0 and "one Secret for both" in proc.stderr
+
+
 # ---------------------------------------------------------------- values.schema.json
 
 

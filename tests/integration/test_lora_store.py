@@ -19,24 +19,6 @@ CONFIG = LlamaConfig(
 LIMITS = Limits(max_rank=16, max_bytes=1 << 20)
 
 
-@pytest.fixture(scope="module")
-def s3():
-    boto3 = pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    client = boto3.client(
-        "s3", endpoint_url=url, aws_access_key_id="k", aws_secret_access_key="s",
-        region_name="us-east-1",
-    )  # fmt: skip
-    client.create_bucket(Bucket="adapters")
-    yield url, client
-    server.stop()
-
-
 def upload(client, folder, prefix):
     for f in folder.iterdir():
         client.upload_file(str(f), "adapters", f"{prefix}/{f.name}")

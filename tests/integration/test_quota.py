@@ -142,6 +142,22 @@ def test_tokens_per_minute_charge_after_the_answer_and_debt_waits(make: Any) -> 
     quota.admit("b", lim)
 
 
+def test_a_batch_lines_lease_takes_no_slot_or_rate_token_but_charges_tokens(make: Any) -> None:
+    quota, clock, _ = make()
+    lim = TenantLimits(requests_per_minute=2, max_concurrent=1, tokens_per_minute=600)
+    lines = [quota.admit_tokens("a", lim) for _ in range(5)]  # more than both limits allow
+    quota.grow(lines[0], lim, 3)  # its choices: no slots either
+    interactive = quota.admit("a", lim)  # the tenant's own requests are not turned away
+    quota.release(interactive, lim)
+    quota.renew()  # nothing to renew for a line's lease, and no error
+    for lease in lines:
+        quota.release(lease, lim, tokens=140)  # 700: 100 over
+    assert refused(quota.admit_tokens, "a", lim).reason == "tokens"  # its tokens are spent
+    assert refused(quota.admit, "a", lim).reason == "tokens"  # for both kinds
+    clock.now += 11.0
+    quota.admit_tokens("a", lim)
+
+
 def test_limits_hold_for_the_service_across_two_replicas(shared: Any) -> None:
     one, clock, _ = shared(replicas=2)
     two, _, _ = shared(replicas=2)

@@ -10,7 +10,8 @@ from kvcache.pages import PageAllocator
 from services import SamplingParams
 from services.engine.config import SchedulingConfig
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.fairness import FairShares
+from services.engine.fair_policy import BATCH_HOLD_S
+from services.engine.fairness import BATCH_SUFFIX, FairShares
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 
@@ -27,8 +28,9 @@ def request(rid: str, tenant: str, n_prompt: int = 8, max_tokens: int = 10_000) 
 
 def sched(weights=None, pages=10_000, fair=True, **cfg) -> Scheduler:
     newcomer = cfg.pop("newcomer_steps", False)
+    rows = cfg.pop("batch_rows", None)
     config = SchedulingConfig(fair_scheduling=fair, **cfg)
-    return Scheduler(config, 4, PageAllocator(pages), FairShares(weights or {}), newcomer)
+    return Scheduler(config, 4, PageAllocator(pages), FairShares(weights or {}), newcomer, rows)
 
 
 def step(s: Scheduler, tokens: Counter | None = None) -> list:
@@ -76,6 +78,44 @@ def test_a_tenant_arriving_at_a_full_batch_gets_its_share_from_the_greedy_one():
     assert {c.request.request_id for c in chunks} >= {"b0", "b1"}  # admitted at once
     assert running(s) == {"a": 6, "b": 2}
     assert s.num_preemptions == 2
+
+
+def test_beside_interactive_work_the_batch_class_computes_only_its_oldest_rows():
+    batch = "acme" + BATCH_SUFFIX
+    s = sched(max_num_seqs=16, batch_rows=2)
+    now = [0.0]
+    s.clock = lambda: now[0]
+    for i in range(12):
+        s.add(request(f"l{i}", batch))
+    for _ in range(3):
+        step(s)
+    assert len(step(s)) == 12  # alone, the batch has the whole engine
+    pages = {r.request_id: list(r.pages) for r in s.running}
+    s.add(request("chat", "beta"))
+    for _ in range(4):
+        ids = [c.request.request_id for c in step(s)]
+        assert ids == ["l0", "l1", "chat"]  # the oldest two lines, the interactive request
+    s.add(request("l12", batch))  # no more lines admitted meanwhile
+    assert [c.request.request_id for c in step(s)] == ["l0", "l1", "chat"]
+    paused = [r for r in s.running if r.request_id not in ("l0", "l1", "chat")]
+    assert all(r.pages == pages[r.request_id] for r in paused)  # kept, not recomputed
+    assert s.num_preemptions == 0
+    s.finish(next(r for r in s.running if r.request_id == "chat"))
+    now[0] += BATCH_HOLD_S - 0.1
+    assert len(step(s)) == 2  # held narrow a while: the next interactive request may follow
+    now[0] += 0.2
+    assert len(step(s)) == 13  # then every line again, l12 admitted
+
+
+def test_the_batch_row_cap_is_off_in_its_plain_twin():
+    batch = "acme" + BATCH_SUFFIX
+    s = sched(max_num_seqs=16, batch_rows=16)
+    for i in range(6):
+        s.add(request(f"l{i}", batch))
+    step(s)
+    s.add(request("chat", "beta"))
+    step(s)
+    assert len(step(s)) == 7
 
 
 def test_an_idle_tenants_share_goes_to_the_others_and_idling_earns_no_credit():

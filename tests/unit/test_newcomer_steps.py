@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.scheduler import NEWCOMER_GAP
+from services.engine.fair_policy import NEWCOMER_GAP
 from tests.unit.test_fair_scheduler import request, sched, step
 
 

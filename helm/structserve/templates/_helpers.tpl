@@ -93,30 +93,50 @@ null so the service reads REDIS_URL, which the pods get from a Secret. */}}
 {{- $_ := set $ingress "port" (int .Values.serve.port) -}}
 {{- $_ := set $ingress "host" "0.0.0.0" -}}
 {{- $_ := set $args "ingress" $ingress -}}
-{{- $store := .Values.adapterStore | default dict -}}
+{{- include "structserve.storeArgs" (list $args .Values.adapterStore "adapters" "adapterStore") -}}
+{{- include "structserve.storeArgs" (list $args .Values.fileStore "files" "fileStore") -}}
+{{- toJson $args -}}
+{{- end -}}
+
+{{/* A store's PVC mount path or bucket URL into the service args' section (adapters, files):
+(list $args $storeValues "section" "valuesName"). */}}
+{{- define "structserve.storeArgs" -}}
+{{- $args := index . 0 -}}
+{{- $store := index . 1 | default dict -}}
+{{- $key := index . 2 -}}
+{{- $name := index . 3 -}}
 {{- $pvc := $store.pvc | default dict -}}
 {{- $bucket := $store.bucket | default dict -}}
 {{- if and $pvc.claimName $bucket.url -}}
-{{- fail "adapterStore: a PVC or a bucket, not both" -}}
+{{- fail (printf "%s: a PVC or a bucket, not both" $name) -}}
 {{- end -}}
 {{- if or $pvc.claimName $bucket.url -}}
-{{- $adapters := get $args "adapters" | default dict -}}
-{{- if $adapters.store -}}
-{{- fail "adapterStore: set there or in serviceConfig.adapters.store, not both" -}}
+{{- $section := get $args $key | default dict -}}
+{{- if $section.store -}}
+{{- fail (printf "%s: set there or in serviceConfig.%s.store, not both" $name $key) -}}
 {{- end -}}
 {{- if $pvc.claimName -}}
-{{- $_ := set $adapters "store" $pvc.mountPath -}}
+{{- $_ := set $section "store" $pvc.mountPath -}}
 {{- else -}}
-{{- $_ := set $adapters "store" $bucket.url -}}
+{{- $_ := set $section "store" $bucket.url -}}
 {{- if $bucket.endpointUrl -}}
-{{- $options := get $adapters "store_options" | default dict -}}
+{{- $options := get $section "store_options" | default dict -}}
 {{- $_ := set $options "endpoint_url" $bucket.endpointUrl -}}
-{{- $_ := set $adapters "store_options" $options -}}
+{{- $_ := set $section "store_options" $options -}}
 {{- end -}}
 {{- end -}}
-{{- $_ := set $args "adapters" $adapters -}}
+{{- $_ := set $args $key $section -}}
 {{- end -}}
-{{- toJson $args -}}
+{{- end -}}
+
+{{/* The bucket credentials' Secret both stores use (s3fs reads one pair from the environment). */}}
+{{- define "structserve.bucketSecret" -}}
+{{- $a := ((.Values.adapterStore | default dict).bucket | default dict).secretName -}}
+{{- $f := ((.Values.fileStore | default dict).bucket | default dict).secretName -}}
+{{- if and $a $f (ne $a $f) -}}
+{{- fail "adapterStore.bucket.secretName and fileStore.bucket.secretName: one Secret for both (s3fs reads one pair of credentials)" -}}
+{{- end -}}
+{{- $a | default $f -}}
 {{- end -}}
 
 {{/* Ray's Serve config file (RayService.spec.serveConfigV2). */}}
@@ -183,8 +203,8 @@ and every worker group. */}}
       name: {{ include "structserve.internalSecretName" . }}
       key: metrics-token
 {{- end }}
-{{- with ((.Values.adapterStore | default dict).bucket | default dict).secretName }}
-# the adapter store's bucket credentials, as s3fs reads them
+{{- with include "structserve.bucketSecret" . }}
+# the stores' bucket credentials, as s3fs reads them
 - name: AWS_ACCESS_KEY_ID
   valueFrom:
     secretKeyRef:
@@ -220,6 +240,12 @@ and every worker group. */}}
   readOnly: true
 {{- end }}
 {{- end }}
+{{- with ((.Values.fileStore | default dict).pvc | default dict) }}
+{{- if .claimName }}
+- name: file-store
+  mountPath: {{ .mountPath }}
+{{- end }}
+{{- end }}
 {{- with .Values.ray.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -247,6 +273,13 @@ and every worker group. */}}
   persistentVolumeClaim:
     claimName: {{ .claimName }}
     readOnly: true
+{{- end }}
+{{- end }}
+{{- with ((.Values.fileStore | default dict).pvc | default dict) }}
+{{- if .claimName }}
+- name: file-store
+  persistentVolumeClaim:
+    claimName: {{ .claimName }}
 {{- end }}
 {{- end }}
 {{- with .Values.ray.extraVolumes }}
