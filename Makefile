@@ -50,7 +50,7 @@ typecheck: setup
 	$(BIN)/mypy $(CORE)
 
 test: setup redis helm suite lint typecheck
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=30
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests/unit

@@ -59,6 +59,7 @@ from deployments.translate import sampling_from, screen
 from deployments.wire import Delta
 from services import settings
 from services.batches.jobs import CreateBatch
+from services.engine.gc_freeze import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class Ingress:
         self.batches = batch_api.batch_store(self.config, redis)
         self.runner = runner  # deployed with the app; it takes batches from Redis
         self.metrics_token = settings.metrics_token()
+        freeze_startup_objects(self.config.llm.engine.freeze_gc)  # as the replicas do
 
     # -- plumbing ------------------------------------------------------------------------
 

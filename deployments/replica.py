@@ -35,6 +35,7 @@ from services.engine.async_llm import AsyncLLM, EngineDeadError
 from services.engine.config import EngineConfig
 from services.engine.core_client import CoreClient
 from services.engine.engine import LLMEngine
+from services.engine.gc_freeze import freeze_startup_objects
 from services.engine.params import RequestOutput, SamplingParams
 from services.engine.stats import EngineStats
 from services.grammar.backends import Backends
@@ -134,6 +135,7 @@ class LLMReplica:
         self.dialect = chat.resolve(front.tokenizer, llm.tool_call_format, llm.reasoning_format)
         self.lora = lora_limits(cfg, engine) if engine.enable_lora else None
         self.adapter_store = store_of(cfg)
+        freeze_startup_objects(engine.freeze_gc)  # the engine's own process does the same
 
     async def generate(
         self,

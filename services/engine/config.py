@@ -46,6 +46,11 @@ class RunnerConfig:
     # (services/models/fused.py), checked against transformers' at load. False: the plain twin
     # (transformers' forward).
     fused_forward: bool = True
+    # A serving process (the engine core, the replica, the ingress) freezes the objects alive
+    # after start-up out of the garbage collector's reach (services/engine/gc_freeze.py): a full
+    # collection then takes ~0 ms instead of ~200 ms that every step would wait for. False: the
+    # plain twin. The offline `LLM` never does (the process is the caller's).
+    freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         self._check_runner()
@@ -143,6 +148,12 @@ class SchedulingConfig:
     # interactive steps stay about as short as alone. None: 2 on cpu, where a step's time grows
     # with its rows; `max_num_seqs // 2` on cuda. `max_num_seqs`: no cap (the plain twin).
     batch_rows_beside: int | None = None
+    # With fair scheduling, the batch class's prompt tokens a step, alone or not (chunked
+    # prefill only), so the step an interactive request arriving at a busy engine waits out
+    # stays short: a new wave of lines is taken in over several steps. None: no cap (the
+    # default: on a CPU, 256 of 2048 cut the first such request's wait by a fifth and the
+    # batch's throughput by a tenth; benchmarks/batch.py --batch-prefill).
+    batch_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_scheduling()
@@ -154,6 +165,8 @@ class SchedulingConfig:
             raise ValueError("max_prompt_chars: must be >= 1")
         if self.batch_rows_beside is not None and self.batch_rows_beside < 1:
             raise ValueError("batch_rows_beside: must be >= 1 (batch lines always advance)")
+        if self.batch_prefill_tokens is not None and self.batch_prefill_tokens < 1:
+            raise ValueError("batch_prefill_tokens: must be >= 1 (batch lines always advance)")
         for tenant, weight in (self.tenant_weights or {}).items():
             if not weight > 0:
                 raise ValueError(f"tenant_weights: {tenant!r} must weigh > 0, got {weight}")
@@ -169,6 +182,12 @@ class SchedulingConfig:
         if self.batch_rows_beside is None:
             return 2 if device.type == "cpu" else max(1, self.max_num_seqs // 2)
         return self.batch_rows_beside
+
+    def batch_prefill_on(self) -> int | None:
+        if not (self.fair_scheduling and self.enable_chunked_prefill):
+            return None
+        tokens = self.batch_prefill_tokens
+        return None if tokens is None or tokens >= self.max_num_batched_tokens else tokens
 
 
 @dataclass(frozen=True, kw_only=True)

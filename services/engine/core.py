@@ -32,6 +32,7 @@ from typing import Any
 from services import telemetry
 from services.engine import core_messages as msg
 from services.engine.config import EngineConfig
+from services.engine.gc_freeze import freeze_startup_objects
 from services.engine.stats import EngineStats
 from services.lora.manager import LoRARequest
 
@@ -144,6 +145,7 @@ class EngineCore:
         self.stats = EngineStats(self.engine, self.tel)  # its gauges, mask and tier timings
 
     def run(self) -> None:
+        freeze_startup_objects(self.engine.config.freeze_gc)
         self.wire.send(msg.Ready(msg.pickled(self.engine.limits)))
         threading.Thread(target=self._read, name="core-reader", daemon=True).start()
         try:

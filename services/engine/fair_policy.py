@@ -14,7 +14,9 @@ While any interactive request runs or waits, and `BATCH_HOLD_S` after, the batch
 lines) computes at most `batch_rows` of its running rows a step, the oldest, and admits no more
 beyond them; the others keep their pages and slots. Its weight decides who is admitted, not how
 long the steps an interactive request shares with a full batch of lines take (on a CPU, about the
-rows they hold).
+rows they hold). With `batch_prefill` set, the batch class computes at most that many prompt
+tokens a step, alone or not, so the step an interactive request arriving at a busy engine waits
+out is short too (at some cost to the batch's throughput).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class FairPolicy:
     clock: Callable[[], float]
     _caps: dict[str, int] | None
     _batch_room: int | None
+    _batch_tokens: int | None
     _interactive_at: float
     _steps: int
     _newcomer_last: bool
@@ -150,11 +153,16 @@ class FairPolicy:
         return self.shares.split(budget, dict(demand))
 
     def _capped(self, req: Request, n: int) -> int:
-        """`n` within the tenant's prompt tokens left this step (decode tokens: never capped)."""
-        if self._caps is None or req.num_uncomputed_tokens <= 1:
+        """`n` within the tenant's prompt tokens left this step, and the batch class's (decode
+        tokens: never capped)."""
+        if req.num_uncomputed_tokens <= 1:
             return n
-        n = min(n, self._caps.get(req.tenant, 0))
-        self._caps[req.tenant] = self._caps.get(req.tenant, 0) - n
+        if self._caps is not None:
+            n = min(n, self._caps.get(req.tenant, 0))
+            self._caps[req.tenant] = self._caps.get(req.tenant, 0) - n
+        if self._batch_tokens is not None and is_batch(req.tenant):
+            n = min(n, self._batch_tokens)
+            self._batch_tokens -= n
         return n
 
     def _next_waiting(self, skip: set[int], only: set[str] | None = None) -> Request | None:

@@ -64,9 +64,10 @@ class Scheduler(FairPolicy):
         shares: FairShares | None = None,
         newcomer_steps: bool = False,
         batch_rows: int | None = None,
+        batch_prefill: int | None = None,
     ) -> None:
-        """`newcomer_steps`, `batch_rows`: the config's as decided for the device (fair only;
-        `batch_rows` None: no cap)."""
+        """`newcomer_steps`, `batch_rows`, `batch_prefill`: the config's as decided for the
+        device (fair only; None: no cap)."""
         self.config = config
         self.page_size = page_size
         self.newcomer_steps = config.fair_scheduling and newcomer_steps
@@ -75,6 +76,8 @@ class Scheduler(FairPolicy):
         self._caps: dict[str, int] | None = None  # this step's prompt tokens per tenant
         self.batch_rows = batch_rows if config.fair_scheduling else None
         self._batch_room: int | None = None  # batch-class rows this step may still take
+        self.batch_prefill = batch_prefill if config.fair_scheduling else None
+        self._batch_tokens: int | None = None  # batch-class prompt tokens this step has left
         self._interactive_at = -BATCH_HOLD_S  # when interactive work was last seen
         self.clock: Callable[[], float] = time.monotonic
         # called when a request's pages go back (finish, preemption): the host tier frees its own
@@ -99,7 +102,8 @@ class Scheduler(FairPolicy):
         shares = FairShares(dict(config.tenant_weights or {}))
         sched = config.scheduling
         newcomer, rows = sched.newcomer_steps_on(device), sched.batch_rows_on(device)
-        return cls(sched, config.cache.page_size, allocator, shares, newcomer, rows)
+        prefill = sched.batch_prefill_on()
+        return cls(sched, config.cache.page_size, allocator, shares, newcomer, rows, prefill)
 
     def add(self, request: Request) -> None:
         busy = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
@@ -119,6 +123,7 @@ class Scheduler(FairPolicy):
             self._rebalance_slots(out)
             self._caps = self._prefill_caps()
         self._batch_room = self._batch_rows_now()
+        self._batch_tokens = self.batch_prefill
         if not self._newcomer_step(out):
             short = self._schedule_running(out, self.config.max_num_batched_tokens)
             if short is not None:  # no pages were short: there may be room for more

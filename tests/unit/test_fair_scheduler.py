@@ -28,9 +28,10 @@ def request(rid: str, tenant: str, n_prompt: int = 8, max_tokens: int = 10_000) 
 
 def sched(weights=None, pages=10_000, fair=True, **cfg) -> Scheduler:
     newcomer = cfg.pop("newcomer_steps", False)
-    rows = cfg.pop("batch_rows", None)
+    rows, prefill = cfg.pop("batch_rows", None), cfg.pop("batch_prefill", None)
     config = SchedulingConfig(fair_scheduling=fair, **cfg)
-    return Scheduler(config, 4, PageAllocator(pages), FairShares(weights or {}), newcomer, rows)
+    shares = FairShares(weights or {})
+    return Scheduler(config, 4, PageAllocator(pages), shares, newcomer, rows, prefill)
 
 
 def step(s: Scheduler, tokens: Counter | None = None) -> list:
@@ -105,6 +106,22 @@ def test_beside_interactive_work_the_batch_class_computes_only_its_oldest_rows()
     assert len(step(s)) == 2  # held narrow a while: the next interactive request may follow
     now[0] += 0.2
     assert len(step(s)) == 13  # then every line again, l12 admitted
+
+
+def test_the_batch_class_takes_a_wave_of_prompts_over_several_steps():
+    batch = "acme" + BATCH_SUFFIX
+    s = sched(max_num_seqs=16, batch_prefill=20)
+    for i in range(4):
+        s.add(request(f"l{i}", batch, n_prompt=10))
+    chunks = step(s)
+    assert sum(c.num_tokens for c in chunks) == 20  # 40 prompt tokens waiting: 20 this step
+    s.add(request("chat", "beta", n_prompt=30))
+    chunks = {c.request.request_id: c.num_tokens for c in step(s)}
+    assert chunks["chat"] == 30 and sum(chunks.values()) == 30 + 2 + 20  # 2 lines decode
+    twin = sched(max_num_seqs=16)
+    for i in range(4):
+        twin.add(request(f"l{i}", batch, n_prompt=10))
+    assert sum(c.num_tokens for c in step(twin)) == 40
 
 
 def test_the_batch_row_cap_is_off_in_its_plain_twin():
