@@ -47,7 +47,6 @@ from services.models.loader import resolve_model_dir
 from services.telemetry import spans
 
 log = logging.getLogger(__name__)
-RESTART_WAIT_S = 10.0  # a request arriving while the core restarts waits this long, then 503
 
 
 def service_provider(cfg: ServiceConfig, grammar_handle: Any) -> ProviderFactory:
@@ -135,6 +134,7 @@ class LLMReplica:
         self.dialect = chat.resolve(front.tokenizer, llm.tool_call_format, llm.reasoning_format)
         self.lora = lora_limits(cfg, engine) if engine.enable_lora else None
         self.adapter_store = store_of(cfg)
+        self.restart_wait_s = cfg.llm.restart_wait_s
         freeze_startup_objects(engine.freeze_gc)  # the engine's own process does the same
 
     async def generate(
@@ -169,7 +169,7 @@ class LLMReplica:
             if adapter is not None:
                 folder = await asyncio.to_thread(adapter.folder, self.adapter_store)
                 lora = LoRARequest(adapter.name, str(folder))
-            await self.llm.wait_ready(RESTART_WAIT_S)  # a core restarting: within reason
+            await self.llm.wait_ready(self.restart_wait_s)  # a core restarting: within reason
         except (ValueError, EngineDeadError, StoreUnavailable) as exc:  # 503s too
             yield Delta.refusal(str(exc)[:300], getattr(exc, "status", 400))
             return

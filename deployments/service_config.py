@@ -75,6 +75,10 @@ class LLMConfig(Backpressure):
     # thread of the replica's process. A core silent this long is killed and started again.
     engine_process: bool = True
     engine_core_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    # a request arriving while the core restarts waits this long for it, then gets a 503: about
+    # what the model takes to load again (seconds for SmolLM2 on an idle host, far more for a
+    # large model or a busy one)
+    restart_wait_s: float = Field(default=30.0, gt=0, le=600)
 
     @field_validator("tool_call_format", "reasoning_format")
     @classmethod
