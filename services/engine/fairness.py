@@ -16,7 +16,7 @@ A tenant's batch lines (the Batch API) run as the tenant name plus `BATCH_SUFFIX
 own at `BATCH_WEIGHT`: its virtual time runs a thousand times faster, so it is admitted only when
 no interactive tenant has work waiting, and is the first preempted when one needs a slot; alone,
 it has the whole engine (work-conserving). Beside interactive work it computes only a few rows a
-step (scheduler.py, `batch_rows_beside`), so its lines cannot lengthen interactive steps. Its
+step (fair_policy.py, `batch_rows_beside`), so its lines cannot lengthen interactive steps. Its
 prefixes are cached among its own lines.
 
 Work done for a tenant outside its tokens (an adapter copied into a slot for its request: the
