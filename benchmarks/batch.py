@@ -225,6 +225,7 @@ def main() -> None:
     p.add_argument(
         "--batch-rows", type=int, default=None, help="batch_rows_beside (32: no cap, the twin)"
     )
+    p.add_argument("--batch-prefill", type=int, default=None, help="batch_prefill_tokens")
     p.add_argument(
         "--parts",
         default="throughput,ttft",
