@@ -28,27 +28,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvcache import variants
+from kvcache import quest_read, variants
 from kvcache.collect import CollectRead, _collecting_attention, _observe
-from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache
-from kvcache.tier_read import read_tiered
+from kvcache.quest_read import QuestRead
 
 ATTN_IMPLEMENTATION = "structserve_paged"
-
-
-@dataclass
-class QuestRead:
-    """Quest rows of a group: each reads `k` pages per KV head, chosen by the page key bounds."""
-
-    page_table: torch.Tensor  # [R, Pmax] the row's pages in order, padded with page 0
-    num_pages: torch.Tensor  # [R]
-    ends: torch.Tensor  # [R] cache entries the query sees (its own included)
-    k: int
-    dense_layers: int  # layers below this read every page
-    hot: list[HotSet] | None = None  # offloaded rows: each row's hot set; parked ids are read
-    # from its cells or from the host tier
-    union: bool = False  # each query head ranks the pages (see `quest_page_scores`)
 
 
 @dataclass
@@ -98,13 +83,23 @@ class ShortQueries:
 
     def in_place(self, kv: PagedKVCache) -> bool:
         """Whether the kernel reads this group's pages where they lie (rows reading every page:
-        pool pages, and parked pages in the host tier's arena, which on the kernel's CPU is
-        memory it reads like the pool)."""
+        pool pages, and parked pages where the kernel reads the host tier's arena in place)."""
         return (
             kv.kernel is not None
             and self.collect is None
             and self.starts is not None
-            and kv.keys.dtype == torch.float32
+            and kv.kernel.reads(kv.keys.dtype, self.host is not None)
+        )
+
+    def quest_in_place(self, kv: PagedKVCache) -> bool:
+        """Whether the kernel reads this group's Quest choice where it lies (pool pages only)."""
+        return (
+            kv.kernel is not None
+            and kv.kernel.quest
+            and self.quest is not None
+            and self.quest.hot is None
+            and self.starts is not None
+            and kv.kernel.reads(kv.keys.dtype, False)
         )
 
 
@@ -116,6 +111,18 @@ class LongQuery:
     mask: torch.Tensor | None  # [1, 1, n, P * page_size] bool
     collect: CollectRead | None = None
     host: HostRead | None = None
+    rows: torch.Tensor | None = None  # [3, 1] (cache position of the first query, queries,
+    # packed index of the first query): the kernel's row, for a chunk over a cached prefix
+
+    def in_place(self, kv: PagedKVCache) -> bool:
+        return (
+            kv.kernel is not None
+            and kv.kernel.prompt_chunks
+            and self.page_index is not None
+            and self.rows is not None
+            and self.collect is None
+            and kv.kernel.reads(kv.keys.dtype, self.host is not None)
+        )
 
 
 @dataclass
@@ -238,15 +245,15 @@ def paged_attention_forward(
             and layer >= quest.dense_layers
             and quest.k < quest.page_table.shape[1]
         )
-        if not by_quest and s.in_place(kv):
+        if (not by_quest and s.in_place(kv)) or (by_quest and s.quest_in_place(kv)):
             q_packed = q.contiguous() if q_packed is None else q_packed
-            _kernel_attention(kv, layer, q_packed, out, s, scaling, variant)
+            _kernel_attention(kv, layer, q, q_packed, out, s, scaling, variant, by_quest)
             continue
         rows = s.token_index.shape[0]
         qs = q[s.token_index].transpose(1, 2)  # [R, H, Qmax, D]
         if by_quest:
             assert quest is not None
-            o = _quest_attention(kv, layer, qs, quest, scaling)
+            o = quest_read.attention(kv, layer, qs, quest, scaling)
         else:  # every page (Quest too when its budget covers every page: the exact twin)
             ks, vs = _gather(kv, layer, s.page_index, rows, s.host)
             if s.collect is not None:
@@ -256,6 +263,10 @@ def paged_attention_forward(
         o = o.transpose(1, 2)  # [R, Qmax, H, D]
         out.index_copy_(0, s.dst_index, o.flatten(0, 1).index_select(0, s.src_index))
     for lq in batch.long:
+        if lq.in_place(kv):
+            q_packed = q.contiguous() if q_packed is None else q_packed
+            _kernel_long(kv, layer, q_packed, out, lq, scaling, variant)
+            continue
         ql = query[:, :, lq.start : lq.end]  # [1, H, n, D]
         if lq.page_index is None:
             kl, vl = key[:, :, lq.start : lq.end], value[:, :, lq.start : lq.end]
@@ -284,27 +295,34 @@ def _kernel_attention(
     kv: PagedKVCache,
     layer: int,
     q: torch.Tensor,
+    q_packed: torch.Tensor,
     out: torch.Tensor,
     s: ShortQueries,
     scaling: float | None,
     variant: variants.LayerVariant,
+    by_quest: bool,
 ) -> None:
-    """The group's queries attend to their pages in place; results land in `out` directly."""
+    """The group's queries attend to their pages in place (with Quest: each KV head to the
+    pages it chose); results land in `out` directly."""
     assert kv.kernel is not None and s.starts is not None
     assert s.offsets is not None and s.num_queries is not None
-    rows = s.starts.shape[0]
+    rows, max_queries = s.token_index.shape
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    table, host = s.page_index, None
-    if s.host is not None:  # parked pages: read from the host tier's arena where they lie
+    table, host, logical = s.page_index.view(rows, -1), None, None
+    if by_quest:
+        assert s.quest is not None
+        qs = q[s.token_index].transpose(1, 2)  # [R, H, 1, D]
+        logical, table = quest_read.choose(kv, layer, qs, s.quest)
+    elif s.host is not None:  # parked pages: read from the host tier's arena where they lie
         assert kv.host is not None
-        table, host = s.host.ids, kv.host.layer(layer)
+        table, host = s.host.ids.view(rows, -1), kv.host.layer(layer)
         kv.host.count_read(s.host.positions.numel() * kv.layout.num_kv_heads)
     kv.kernel.short(
-        q,
+        q_packed,
         out,
         kv.keys[layer],
         kv.values[layer],
-        table.view(rows, -1),
+        table,
         s.starts,
         s.num_queries,
         s.offsets,
@@ -313,6 +331,44 @@ def _kernel_attention(
         variant.window,
         variant.softcap,
         host,
+        max_queries,
+        logical,
+    )
+
+
+def _kernel_long(
+    kv: PagedKVCache,
+    layer: int,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lq: LongQuery,
+    scaling: float | None,
+    variant: variants.LayerVariant,
+) -> None:
+    """A prompt chunk attends to its cached prefix and itself in place (one kernel row)."""
+    assert kv.kernel is not None and lq.page_index is not None and lq.rows is not None
+    host = None
+    table = lq.page_index
+    if lq.host is not None:
+        assert kv.host is not None
+        table, host = lq.host.ids, kv.host.layer(layer)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    starts, num_queries, offsets = lq.rows
+    kv.kernel.short(
+        q,
+        out,
+        kv.keys[layer],
+        kv.values[layer],
+        table.view(1, -1),
+        starts,
+        num_queries,
+        offsets,
+        kv.page_size,
+        scale,
+        variant.window,
+        variant.softcap,
+        host,
+        lq.end - lq.start,
     )
 
 
@@ -326,72 +382,6 @@ def _update_bounds(kv: PagedKVCache, layer: int, keys: torch.Tensor, upd: Bounds
     index = upd.cells[None, :, None].expand_as(new)
     lo.scatter_reduce_(1, index, new, "amin")
     hi.scatter_reduce_(1, index, new, "amax")
-
-
-def quest_page_scores(
-    q: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    union: bool = False,
-) -> torch.Tensor:
-    """Page scores for the top-k choice: q `[R, KVH, G, D]`, bounds `[R, KVH, P, D]`, `valid`
-    `[R, P]` (False: padding, scored -inf). Returns `[R, KVH, P]`.
-
-    The bound of q·k over a page is sum_d max(q_d * hi_d, q_d * lo_d) = q⁺·hi + q⁻·lo. Without
-    `union` a page scores the largest bound over the G query heads sharing a KV head. With it, a
-    page scores minus its best rank among the heads (a head's first choice ranks 0), ties broken
-    by that largest bound: the top k are every head's first choices, then every head's second...
-    """
-    bound = (q.clamp(min=0) @ hi.transpose(-1, -2) + q.clamp(max=0) @ lo.transpose(-1, -2)).float()
-    if valid is not None:
-        bound.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    top = bound.amax(dim=2)
-    if not union:
-        return top
-    order = bound.argsort(dim=-1, descending=True)  # [R, KVH, G, P]
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=q.device).expand_as(order))
-    best = ranks.amin(dim=2).float()  # [R, KVH, P]
-    finite = torch.where(top.isfinite(), top, torch.zeros_like(top))
-    span = (finite.amax(-1, keepdim=True) - finite.amin(-1, keepdim=True)).clamp(min=1e-6)
-    tie = 0.5 * (finite - finite.amin(-1, keepdim=True)) / span  # in [0, 0.5]: below one rank
-    score = tie - best
-    return score.masked_fill(~top.isfinite(), float("-inf"))
-
-
-def _quest_attention(
-    kv: PagedKVCache, layer: int, qs: torch.Tensor, quest: QuestRead, scaling: float | None
-) -> torch.Tensor:
-    """qs `[R, H, 1, D]` attends to the `quest.k` best pages of each KV head (the last always)."""
-    rows, heads, _, dim = qs.shape
-    kvh, ps, num_pages = kv.layout.num_kv_heads, kv.page_size, kv.num_pages
-    table = quest.page_table  # [R, P]
-    cells = kv.bound_cells(table).flatten(1)  # [R, P * splits]: each page's parts in order
-    lo = kv.bounds_min[layer][:, cells].transpose(0, 1)  # [R, KVH, P * splits, D]
-    hi = kv.bounds_max[layer][:, cells].transpose(0, 1)
-    first = torch.arange(cells.shape[1], device=table.device) * (ps // kv.bound_splits)
-    valid = first[None, :] < quest.ends[:, None]  # [R, P * splits]: parts holding a key
-    score = quest_page_scores(qs.view(rows, kvh, heads // kvh, dim), lo, hi, valid, quest.union)
-    score = score.view(rows, kvh, table.shape[1], kv.bound_splits).amax(dim=-1)  # best part
-    last = (quest.num_pages - 1)[:, None, None].expand(rows, kvh, 1)
-    score.scatter_(2, last, float("inf"))  # the page being written is always read
-    chosen = score.topk(quest.k, dim=-1).indices.sort(dim=-1).values  # [R, KVH, k] in order
-    physical = table.gather(1, chosen.flatten(1)).view(rows, kvh, quest.k)
-    if quest.hot is not None:
-        keys, values = read_tiered(kv, layer, physical, quest.hot)
-    else:
-        heads_first = torch.arange(kvh, device=table.device)[None, :, None] * num_pages
-        flat = (heads_first + physical).flatten()
-        shape = (rows, kvh, quest.k * ps, dim)
-        keys = kv.keys[layer].view(kvh * num_pages, ps, dim).index_select(0, flat).view(shape)
-        values = kv.values[layer].view(kvh * num_pages, ps, dim).index_select(0, flat).view(shape)
-    token = chosen[..., None] * ps + torch.arange(ps, device=table.device)  # [R, KVH, k, ps]
-    seen = (token < quest.ends[:, None, None, None]).view(rows, kvh, 1, quest.k * ps)
-    mask = seen.repeat_interleave(heads // kvh, dim=1)  # [R, H, 1, k * ps]
-    return F.scaled_dot_product_attention(
-        qs, keys, values, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh
-    )
 
 
 def register() -> str:

@@ -17,12 +17,12 @@ from kvcache.attention import (
     HostRead,
     LongQuery,
     PagedBatch,
-    QuestRead,
     ShortQueries,
 )
 from kvcache.hot_set import HotSet
 from kvcache.pages import PagedKVCache, pages_needed
 from kvcache.policies import ReadPlan
+from kvcache.quest_read import QuestRead
 
 # Queries longer than this run one attention call each (a prompt chunk); shorter ones are batched.
 LONG_QUERY_THRESHOLD = 32
@@ -209,7 +209,8 @@ def _long_query(s: SeqSlice, offset: int, page_size: int, trash: int, num_pages:
         q_weight = _voters(nq, s.num_tokens, s.plan)[0]
         collect = _long_collect(s.plan, slots, q_weight)
     host = _host_read(page_index, num_pages)
-    return LongQuery(offset, offset + s.num_tokens, page_index, mask, collect, host)
+    rows = torch.tensor([[s.start], [s.num_tokens], [offset]])
+    return LongQuery(offset, offset + s.num_tokens, page_index, mask, collect, host, rows)
 
 
 def _long_collect(plan: ReadPlan, slots: torch.Tensor, q_weight: torch.Tensor) -> CollectRead:

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -36,8 +37,47 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
+class AttentionKernel(Protocol):
+    """What `kvcache/attention.py` calls to read pages in place: `PagedKernel` (C, CPU) or
+    `kvcache.triton_attention.TritonPagedKernel` (Triton, CUDA)."""
+
+    prompt_chunks: bool  # prompt chunks over a cached prefix too (else: short queries only)
+    quest: bool  # Quest rows' per-head page tables too
+
+    def reads(self, dtype: torch.dtype, parked: bool) -> bool:
+        """Whether it reads rows of this cache dtype (with pages parked in the host tier)."""
+        ...
+
+    def short(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        starts: torch.Tensor,
+        num_queries: torch.Tensor,
+        offsets: torch.Tensor,
+        page_size: int,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+        host: tuple[torch.Tensor, torch.Tensor] | None = None,
+        max_queries: int = 1,
+        logical: torch.Tensor | None = None,
+    ) -> None: ...
+
+
 class PagedKernel:
-    """`paged_attention_short` of the C file, over torch tensors (float32, contiguous, CPU)."""
+    """`paged_attention_short` of the C file, over torch tensors (float32, contiguous, CPU).
+    `kvcache/triton_attention.py` has the same interface for CUDA."""
+
+    prompt_chunks = False  # prompt chunks over a cached prefix keep the gather path
+    quest = False  # so do Quest rows
+
+    def reads(self, dtype: torch.dtype, parked: bool) -> bool:
+        """Float32 rows, parked pages included (the host tier's arena is CPU memory too)."""
+        return dtype == torch.float32
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.paged_attention_short
@@ -62,9 +102,13 @@ class PagedKernel:
         window: int | None,
         softcap: float | None,
         host: tuple[torch.Tensor, torch.Tensor] | None = None,
+        max_queries: int = 1,  # what a GPU grid is sized by: the C loop reads num_queries
+        logical: torch.Tensor | None = None,
     ) -> None:
         """`host`: the host tier's keys and values of this layer `[KVH, host_slots, D]`, where
         page ids from `k_cache`'s page count on are read (parked pages, in place)."""
+        if logical is not None:
+            raise ValueError("the C kernel reads no Quest tables (see `quest`)")
         rows, max_pages = page_table.shape
         kv_heads, slots, dim = k_cache.shape
         k_host, v_host = host if host is not None else (None, None)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from kvcache.native import PagedKernel
+from kvcache.native import AttentionKernel
 
 
 class OutOfPages(RuntimeError):
@@ -187,9 +187,10 @@ class PagedKVCache:
         self.bounds_min = torch.empty(0, dtype=layout.dtype, device=device)
         self.bounds_max = torch.empty(0, dtype=layout.dtype, device=device)
         self.host: HostPages | None = None
-        # Short queries read pages in place through this kernel (kvcache/native.py) when set;
-        # None: they gather pages into the workspace and run SDPA (the plain twin).
-        self.kernel: PagedKernel | None = None
+        # Queries read pages in place through this kernel (kvcache/native.py's C kernel on CPU,
+        # kvcache/triton_attention.py's on CUDA) when set; None: they gather pages into the
+        # workspace and run SDPA (the plain twin).
+        self.kernel: AttentionKernel | None = None
 
     def attach_host(self, host: HostPages) -> None:
         """Page id `num_pages + s` now names host slot `s` (a parked page)."""

@@ -7,6 +7,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # compile verdicts in Redis are signed (grammar_registry/cache.py); Ray's workers inherit it
 os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", "structserve-test-verdict-secret")
 
+import torch  # it does not import triton; transformers and xgrammar do
+
+if not torch.cuda.is_available():
+    # Triton kernels (kvcache/triton_attention.py) run here through Triton's interpreter, which
+    # must be on before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from services.models import LoadedModel, load_model

@@ -22,6 +22,7 @@ from services.grammar.structured import check_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE_METHODS = ("ngram",)
+ATTENTION_KERNELS = ("auto", "native", "triton")  # see RunnerConfig.attention_kernel
 DRAFT_LENGTHS = ("fixed", "adaptive")
 
 
@@ -38,10 +39,15 @@ class RunnerConfig:
     # layout (services/models/packed.py): faster products. False: the plain twin
     # (`F.linear`). No effect on CUDA.
     packed_weights: bool = True
-    # Decode attention reads the KV pages where they lie (kvcache/paged_attention.c, built on
-    # first use) instead of gathering them into a workspace for SDPA. CPU and float32 only for
-    # now; False, or a machine without a C compiler: the plain twin (gather, then SDPA).
+    # Attention reads the KV pages where they lie instead of gathering them into a workspace
+    # for SDPA: on CPU in float32 decode rows through a C kernel (kvcache/paged_attention.c,
+    # built on first use), on CUDA decode rows, prompt chunks over a cached prefix and Quest's
+    # choice through Triton (kvcache/triton_attention.py). False, or a machine without a C
+    # compiler or Triton: the plain twin (gather, then SDPA).
     inplace_attention: bool = True
+    # Which kernel: "auto" (C on CPU, Triton on CUDA), "native" (C, CPU float32) or "triton"
+    # (on a CPU through Triton's interpreter: slow, for tests of the GPU's kernel).
+    attention_kernel: str = "auto"
     # Llama-family models through a lean forward with their norms, RoPE and SiLU fused
     # (services/models/fused.py), checked against transformers' at load. False: the plain twin
     # (transformers' forward).
@@ -60,6 +66,11 @@ class RunnerConfig:
             raise ValueError(f"device: {self.device!r} is not 'auto', 'cpu' or 'cuda[:N]'")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"attention_kernel: {self.attention_kernel!r} is not one of "
+                f"{', '.join(ATTENTION_KERNELS)}"
+            )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -9,6 +9,7 @@ import torch
 
 from kvcache import attention, native, policies, variants
 from kvcache.batch import SeqSlice, build_paged_batch
+from kvcache.native import AttentionKernel
 from kvcache.pages import KVLayout, PageAllocator, PagedKVCache
 from kvcache.prefix import PrefixCachingAllocator
 from services import settings
@@ -33,6 +34,28 @@ def _kv_layout(config: object, page_size: int, dtype: torch.dtype) -> KVLayout:
     )
 
 
+def attention_kernel(name: str, device: torch.device, dtype: torch.dtype) -> AttentionKernel | None:
+    """The kernel that reads KV pages in place (`RunnerConfig.attention_kernel`), or None: the
+    gather path. "auto" picks C on a CPU in float32 and Triton on CUDA, and falls back to the
+    gather path (logged) where either is missing; a kernel named where it cannot run is refused."""
+    triton = name == "triton" or (name == "auto" and device.type == "cuda")
+    if triton:
+        try:
+            from kvcache.triton_attention import TritonPagedKernel
+        except ImportError as exc:
+            if name == "triton":
+                raise ValueError(f"attention_kernel: triton: {exc}") from exc
+            log.warning("Triton unavailable (%s): attention gathers pages", exc)
+            return None
+        kernel = TritonPagedKernel()
+        return kernel if kernel.reads(dtype, False) else None
+    if device.type != "cpu" or dtype != torch.float32:
+        if name == "native":
+            raise ValueError("attention_kernel: native reads float32 pages on a CPU only")
+        return None
+    return native.load(settings.cache_dir() / "kernels")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.device = config.torch_device()
@@ -52,8 +75,8 @@ class ModelRunner:
         splits = config.page_size // (config.quest_bound_tokens or config.page_size)
         pages = layout.pages_for_budget(budget)
         self.kv = PagedKVCache(layout, pages, self.device, allocator, bound_splits=splits)
-        if config.inplace_attention and self.device.type == "cpu" and self.dtype == torch.float32:
-            self.kv.kernel = native.load(settings.cache_dir() / "kernels")
+        if config.inplace_attention:
+            self.kv.kernel = attention_kernel(config.attention_kernel, self.device, self.dtype)
         log.info(
             "KV pool: %d pages of %d tokens (%.1f MiB, %d bytes per token)",
             self.kv.num_pages,

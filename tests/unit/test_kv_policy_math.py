@@ -7,18 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcache.attention import (
-    BoundsUpdate,
-    CollectRead,
-    QuestRead,
-    _collecting_attention,
-    _quest_attention,
-    _update_bounds,
-    quest_page_scores,
-)
+from kvcache.attention import BoundsUpdate, CollectRead, _collecting_attention, _update_bounds
 from kvcache.pages import KVLayout, PagedKVCache
 from kvcache.policies import compact, new_state
 from kvcache.prefix import refresh_bounds
+from kvcache.quest_read import QuestRead, quest_page_scores
+from kvcache.quest_read import attention as quest_attention
 from services.engine.model_runner import _rotate_half
 from services.engine.params import KVPolicy
 
@@ -136,7 +130,7 @@ def test_quest_with_every_page_selected_equals_dense_attention():
     _bounds(kv, pages, keys)
     q = torch.randn(1, KVH * G, 1, D)
     read = QuestRead(torch.tensor([pages]), torch.tensor([5]), torch.tensor([n]), 5, 0)
-    out = _quest_attention(kv, 1, q, read, None)
+    out = quest_attention(kv, 1, q, read, None)
     k = cached_keys(kv, pages, n)[1][None]  # [1, KVH, n, D]
     v = k * 10
     dense = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -159,7 +153,7 @@ def test_quest_reads_the_best_pages_and_always_the_last():
     for p, marker in zip(pages, [1.0, 2.0, 3.0, 4.0], strict=True):
         kv.values[:, :, p * PS : (p + 1) * PS] = marker
     read = QuestRead(torch.tensor([pages]), torch.tensor([4]), torch.tensor([16]), 2, 0)
-    out = _quest_attention(kv, 0, q, read, None)
+    out = quest_attention(kv, 0, q, read, None)
     # softmax over page 1 (logits 3/sqrt(D)) and page 3 (logits 0): values 2 and 4 only
     w = math.exp(3 / math.sqrt(D)) / (math.exp(3 / math.sqrt(D)) + 1)
     expected = 2.0 * w + 4.0 * (1 - w)
@@ -212,7 +206,7 @@ def test_bounds_per_part_find_the_key_a_whole_page_bound_blurs(splits, page):
     q = torch.zeros(1, KVH * G, 1, D)
     q[..., :2] = 1.0
     read = QuestRead(torch.tensor([pages]), torch.tensor([3]), torch.tensor([3 * PS]), 2, 0)
-    out = _quest_attention(kv, 0, q, read, None)
+    out = quest_attention(kv, 0, q, read, None)
     # softmax over the chosen page (its logit) and the last page (logit 0): its marker only
     logit = (3.0 if page == 0 else 2.0) / math.sqrt(D)
     expected = [1.0, 2.0][page] * math.exp(logit) / (math.exp(logit) + 1)
