@@ -12,7 +12,9 @@ Steps, one JSON key each:
      unconstrained at the same lengths, masks overlapped with the forward against filled after it;
   4. the KV host tier on the 1B model: offloaded / resident Quest step time at 8k and 32k contexts,
      bytes moved per step and the transfer rate they imply;
-  5. `gpu_check.json` and `gpu_check.png` under `--out`, and a short table printed last.
+  5. the attention kernel reading pages in place (Triton) against the gather path: the largest
+     output difference and one layer's attention time, decode batches 1, 32 and 128 at 4k;
+  6. `gpu_check.json` and `gpu_check.png` under `--out`, and a short table printed last.
 
 Sub-runs start only while `--budget-s` lasts (skipped ones say so); the JSON is rewritten after
 every step, so a run stopped from outside still leaves what it measured. `--tiny` runs the same
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -39,9 +42,13 @@ from typing import Any
 
 import torch
 
+if not torch.cuda.is_available():  # step 5's Triton kernel: interpreted, set before any import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import gpu_check_kernels as kernels  # noqa: E402
 from benchmarks import gpu_check_models as models  # noqa: E402
 from benchmarks import gpu_check_steps as steps  # noqa: E402
 from benchmarks.gpu_check_report import plot, table  # noqa: E402
@@ -60,14 +67,35 @@ class Profile:
     outputs: tuple[int, int]  # output lengths
     contexts: tuple[int, ...]
     tier_steps: int
+    kernel_batches: tuple[int, ...]
+    kernel_context: int
     budget_s: float
 
 
 SHAPES = {"1b": models.LLAMA_1B, "8b": models.LLAMA_8B, "tiny": models.LLAMA_TINY}
 # the workload of benchmarks/engine_throughput.py: prompts 50-800 tokens, outputs 16-256
-FULL = Profile(30, 48, ("1b", "8b"), (32, 128), (50, 800), (16, 256), (8192, 32768), 24, 360)
-TINY = Profile(3, 8, ("tiny",), (4, 8), (16, 64), (4, 16), (512, 1024), 4, 100)
-STEP_KEYS = ("1_cuda_tests", "2_greedy_equality", "3_throughput", "4_kv_tier", "5_outputs")
+FULL = Profile(
+    30,
+    48,
+    ("1b", "8b"),
+    (32, 128),
+    (50, 800),
+    (16, 256),
+    (8192, 32768),
+    24,
+    (1, 32, 128),
+    4096,
+    360,
+)
+TINY = Profile(3, 8, ("tiny",), (4, 8), (16, 64), (4, 16), (512, 1024), 4, (1, 4), 64, 100)
+STEP_KEYS = (
+    "1_cuda_tests",
+    "2_greedy_equality",
+    "3_throughput",
+    "4_kv_tier",
+    "5_attention_kernel",
+    "6_outputs",
+)
 
 
 def cuda_tests(device: torch.device) -> dict[str, Any]:
@@ -132,7 +160,7 @@ class Run:
 
     def __init__(self, out: Path, clock: models.Clock, head: dict[str, Any]) -> None:
         self.json, self.png, self.clock = out / "gpu_check.json", out / "gpu_check.png", clock
-        self.result = {**head, **{k: {"skipped": "not asked for"} for k in STEP_KEYS[:4]}}
+        self.result = {**head, **{k: {"skipped": "not asked for"} for k in STEP_KEYS[:-1]}}
 
     def put(self, key: str, sub: str | None, fn: Callable[..., Any], *args: Any) -> None:
         print(f"== {key} {sub or ''} ({self.clock.elapsed():.0f} s)", flush=True)
@@ -145,7 +173,7 @@ class Run:
 
     def save(self) -> None:
         wall = self.clock.elapsed()
-        self.result["5_outputs"] = {"json": self.json.name, "png": self.png.name, "wall_s": wall}
+        self.result[STEP_KEYS[-1]] = {"json": self.json.name, "png": self.png.name, "wall_s": wall}
         self.json.write_text(json.dumps(self.result, indent=2, default=str))
 
 
@@ -175,7 +203,7 @@ def main() -> None:
         default=None,
         help="default: the carried one, else the default model's",
     )
-    ap.add_argument("--steps", default="1,2,3,4", help="which of steps 1-4 to run")
+    ap.add_argument("--steps", default="1,2,3,4,5", help="which of steps 1-5 to run")
     ap.add_argument("--models", default=None, help="step 3's models (default: 1b,8b; tiny: tiny)")
     ap.add_argument("--budget-s", type=float, default=None, help="default: 360; tiny: 100")
     ap.add_argument("--seed", type=int, default=0)
@@ -225,6 +253,20 @@ def main() -> None:
             run.put("4_kv_tier", None, _kv_tier, loaded, device, profile, clock)
         del loaded
         models.drop()
+    if 5 in wanted:
+        repeats = 20 if device.type == "cuda" else 2  # interpreted on a CPU: outputs, not times
+        batches, context = profile.kernel_batches, profile.kernel_context
+        dtype = _dtype(device)
+        run.put(
+            "5_attention_kernel",
+            None,
+            kernels.attention_kernel,
+            device,
+            dtype,
+            batches,
+            context,
+            repeats,
+        )
     run.save()
     guarded(plot, run.result, run.png)
     print(table(run.result))

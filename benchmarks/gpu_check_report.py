@@ -1,4 +1,4 @@
-"""Step 5 of `benchmarks/gpu_check.py`: the PNG and the short table, read off the result JSON.
+"""Step 6 of `benchmarks/gpu_check.py`: the PNG and the short table, read off the result JSON.
 
 Every reader tolerates a step that was skipped or failed (its entry then holds `skipped` or
 `error`): a partial run still gets its table.
@@ -98,6 +98,21 @@ def tier_lines(r: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def kernel_lines(r: dict[str, Any]) -> list[tuple[str, str]]:
+    if not _ok(r):
+        return [("5 attention kernel", _why(r))]
+    out = []
+    for key, row in r.items():
+        if not key.startswith("batch_"):
+            continue
+        text = (
+            f"max abs diff {row['max_abs_diff']:.3g} ({r['dtype']}); kernel {row['kernel_ms']:.3f} "
+            f"ms vs gather {row['gather_ms']:.3f} ms -> {row['kernel_over_gather']:.2f}"
+        )
+        out.append((f"5 kernel {key.replace('_', ' ')} at {r['context']}", text))
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
     env = result.get("environment", {})
     rows = [("device", ", ".join(f"{k} {v}" for k, v in env.items()))]
@@ -105,9 +120,10 @@ def table(result: dict[str, Any]) -> str:
     rows += equality_lines(result.get("2_greedy_equality", {}))
     rows += throughput_lines(result.get("3_throughput", {}))
     rows += tier_lines(result.get("4_kv_tier", {}))
-    out = result.get("5_outputs", {})
+    rows += kernel_lines(result.get("5_attention_kernel", {}))
+    out = result.get("6_outputs", {})
     rows.append(
-        ("5 outputs", f"{out.get('json')}, {out.get('png')}, wall {out.get('wall_s', 0):.0f} s")
+        ("6 outputs", f"{out.get('json')}, {out.get('png')}, wall {out.get('wall_s', 0):.0f} s")
     )
     lines = ["| step | result |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]

@@ -82,6 +82,7 @@ def _paged_attention(
     HAS_SOFTCAP: tl.constexpr,
     QUEST: tl.constexpr,
     UPCAST: tl.constexpr,  # float32 tiles (the interpreter: see `_UPCAST`)
+    PRECISION: tl.constexpr,  # tl.dot's: "ieee" for float32 pages (no TF32 rounding), else None
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -129,7 +130,7 @@ def _paged_attention(
         k = tl.load(K + kvh * stride_kh + slot[:, None] * stride_ks + d[None, :], kv_mask, 0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale  # float32 [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # float32 [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # tanh(s / cap) * cap
         if QUEST:
@@ -149,7 +150,7 @@ def _paged_attention(
         v = tl.load(V + kvh * stride_kh + slot[:, None] * stride_ks + d[None, :], kv_mask, 0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -237,4 +238,5 @@ class TritonPagedKernel:
             HAS_SOFTCAP=softcap is not None,
             QUEST=quest,
             UPCAST=_UPCAST,
+            PRECISION="ieee" if k_cache.dtype == torch.float32 else None,
         )

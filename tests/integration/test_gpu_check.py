@@ -27,7 +27,14 @@ ROOT = Path(__file__).resolve().parents[2]
 WHEEL_LIST = ROOT / "scripts" / "device-wheels.txt"
 # Among our needs, what the GPU machine's image holds (each with what it requires).
 IMAGE = ("torch", "triton", "transformers", "pytest", "pytest-timeout", "matplotlib")
-STEPS = ["1_cuda_tests", "2_greedy_equality", "3_throughput", "4_kv_tier", "5_outputs"]
+STEPS = [
+    "1_cuda_tests",
+    "2_greedy_equality",
+    "3_throughput",
+    "4_kv_tier",
+    "5_attention_kernel",
+    "6_outputs",
+]
 
 
 def pins() -> dict[str, str]:
@@ -116,7 +123,7 @@ def test_one_key_per_step_and_nothing_failed(run):
     assert sorted(k for k in result if k[0].isdigit()) == STEPS
     assert problems(result) == []
     assert "| step | result |" in stdout  # the table, printed last
-    assert result["5_outputs"]["json"] == "gpu_check.json"
+    assert result["6_outputs"]["json"] == "gpu_check.json"
     assert (out / "gpu_check.png").stat().st_size > 0
 
 
@@ -139,6 +146,8 @@ def test_throughput_and_host_tier_report_every_run(run):
     for row in result["3_throughput"]["tiny"]["batches"].values():
         assert all(v is not None and v > 0 for v in row["ratios"].values())
         assert row["constrained_overlap"]["output_tokens"] > 0
+    for key in ("batch_1", "batch_4"):  # the Triton kernel, interpreted, against the gather
+        assert result["5_attention_kernel"][key]["max_abs_diff"] < 1e-4
     for row in result["4_kv_tier"]["contexts"].values():
         for hot in ("hot_0x", "hot_1x"):
             assert row[hot]["same_tokens"]  # parked pages read back bit for bit

@@ -4,7 +4,8 @@ then SDPA) on random pages, run here by Triton's interpreter: the kernel source 
 Every variant the engine uses: decode rows, jump-forward spans and a row with nothing cached,
 prompt chunks over a cached prefix, grouped query heads (1, 3 and 4 per KV head), sliding
 windows, soft-capped logits, Quest's per-head page choice, ragged lengths, pages out of order,
-page sizes 8 and 16, float32 and bfloat16."""
+page sizes 8 and 16, float32 and bfloat16. On a machine with CUDA the same tests run the
+compiled kernel on the GPU (their ids say cuda: the device check's step 1 selects them)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from services.engine.model_runner import attention_kernel
 triton_attention = pytest.importorskip("kvcache.triton_attention")
 
 D = 16
+# the interpreter on a CPU; compiled, on the GPU, where there is one
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+on_device = pytest.mark.parametrize("device", [DEVICE], ids=[DEVICE.type])
 
 
 class FakeLayer(torch.nn.Module):
@@ -40,7 +44,7 @@ def attend(kv: PagedKVCache, seqs, q, k, v, **variant) -> torch.Tensor:  # type:
 def setup(shapes, heads, kv_heads, page, dtype, plan=None):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=D, page_size=page, dtype=dtype)
-    kv = PagedKVCache(layout, 64, torch.device("cpu"))
+    kv = PagedKVCache(layout, 64, DEVICE)
     seqs = []
     for cached, n in shapes:
         pages = kv.allocator.allocate(-(-(cached + n) // page))
@@ -49,8 +53,8 @@ def setup(shapes, heads, kv_heads, page, dtype, plan=None):  # type: ignore[no-u
     kv.keys.normal_()
     kv.values.normal_()
     t = sum(n for _, n in shapes)
-    q = (torch.randn(1, heads, t, D) * 2).to(dtype)
-    k, v = torch.randn(1, kv_heads, t, D).to(dtype), torch.randn(1, kv_heads, t, D).to(dtype)
+    q = (torch.randn(1, heads, t, D) * 2).to(DEVICE, dtype)
+    k, v = (torch.randn(1, kv_heads, t, D).to(DEVICE, dtype) for _ in range(2))
     return kv, seqs, q, k, v
 
 
@@ -84,20 +88,23 @@ def compare(kv, seqs, q, k, v, **variant) -> Counted:  # type: ignore[no-untyped
 ROWS = [(30, 1), (7, 1), (16, 1), (50, 1), (10, 5), (0, 3), (17, 40)]
 
 
+@on_device
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (9, 3), (8, 2)])
 @pytest.mark.parametrize("variant", [{}, {"sliding_window": 5}, {"softcap": 2.0}])
 @pytest.mark.parametrize("page", [8, 16])
-def test_the_kernel_equals_gather_then_sdpa(heads, kv_heads, variant, page):
+def test_the_kernel_equals_gather_then_sdpa(heads, kv_heads, variant, page, device):
     compare(*setup(ROWS, heads, kv_heads, page, torch.float32), **variant)
 
 
+@on_device
 @pytest.mark.parametrize("variant", [{}, {"sliding_window": 12}])
-def test_bfloat16_within_its_tolerance(variant):
+def test_bfloat16_within_its_tolerance(variant, device):
     compare(*setup(ROWS, 9, 3, 16, torch.bfloat16), **variant)
 
 
+@on_device
 @pytest.mark.parametrize("page,union", [(8, False), (16, False), (8, True)])
-def test_quest_rows_read_their_chosen_pages_in_place(page, union):
+def test_quest_rows_read_their_chosen_pages_in_place(page, union, device):
     """Decode rows reading 2 pages per KV head (the best by key bounds, and the last) out of
     up to 7: each KV head's own choice, read where the pages lie."""
     plan = ReadPlan(quest_pages=2, bounds=True, quest_union=union)
