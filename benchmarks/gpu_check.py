@@ -14,7 +14,9 @@ Steps, one JSON key each:
      bytes moved per step and the transfer rate they imply;
   5. the attention kernel reading pages in place (Triton) against the gather path: the largest
      output difference and one layer's attention time, decode batches 1, 32 and 128 at 4k;
-  6. `gpu_check.json` and `gpu_check.png` under `--out`, and a short table printed last.
+  6. decode steps as CUDA graphs against eager steps on the first step-3 model: the same greedy
+     tokens, and a decode step's time at batch 1, 32 and 128;
+  7. `gpu_check.json` and `gpu_check.png` under `--out`, and a short table printed last.
 
 Sub-runs start only while `--budget-s` lasts (skipped ones say so); the JSON is rewritten after
 every step, so a run stopped from outside still leaves what it measured. `--tiny` runs the same
@@ -69,32 +71,39 @@ class Profile:
     tier_steps: int
     kernel_batches: tuple[int, ...]
     kernel_context: int
+    graph_batches: tuple[int, ...]
+    graph_tokens: int
     budget_s: float
 
 
 SHAPES = {"1b": models.LLAMA_1B, "8b": models.LLAMA_8B, "tiny": models.LLAMA_TINY}
 # the workload of benchmarks/engine_throughput.py: prompts 50-800 tokens, outputs 16-256
 FULL = Profile(
-    30,
-    48,
-    ("1b", "8b"),
-    (32, 128),
-    (50, 800),
-    (16, 256),
-    (8192, 32768),
-    24,
-    (1, 32, 128),
-    4096,
-    360,
+    equality_layers=30,
+    equality_tokens=48,
+    models=("1b", "8b"),
+    batch_sizes=(32, 128),
+    prompts=(50, 800),
+    outputs=(16, 256),
+    contexts=(8192, 32768),
+    tier_steps=24,
+    kernel_batches=(1, 32, 128),
+    kernel_context=4096,
+    graph_batches=(1, 32, 128),
+    graph_tokens=32,
+    budget_s=360,
 )
-TINY = Profile(3, 8, ("tiny",), (4, 8), (16, 64), (4, 16), (512, 1024), 4, (1, 4), 64, 100)
+TINY = Profile(
+    3, 8, ("tiny",), (4, 8), (16, 64), (4, 16), (512, 1024), 4, (1, 4), 64, (1, 4), 6, 100
+)
 STEP_KEYS = (
     "1_cuda_tests",
     "2_greedy_equality",
     "3_throughput",
     "4_kv_tier",
     "5_attention_kernel",
-    "6_outputs",
+    "6_decode_graphs",
+    "7_outputs",
 )
 
 
@@ -203,7 +212,7 @@ def main() -> None:
         default=None,
         help="default: the carried one, else the default model's",
     )
-    ap.add_argument("--steps", default="1,2,3,4,5", help="which of steps 1-5 to run")
+    ap.add_argument("--steps", default="1,2,3,4,5,6", help="which of steps 1-6 to run")
     ap.add_argument("--models", default=None, help="step 3's models (default: 1b,8b; tiny: tiny)")
     ap.add_argument("--budget-s", type=float, default=None, help="default: 360; tiny: 100")
     ap.add_argument("--seed", type=int, default=0)
@@ -239,20 +248,6 @@ def main() -> None:
             layers,
             tokens,
         )
-    if 3 in wanted:
-        run.result["3_throughput"] = {}
-    for i, name in enumerate(names):
-        tier = i == 0 and 4 in wanted  # before the next model is built: 8B must not starve it
-        if 3 not in wanted and not tier:
-            continue
-        build = (models.random_llama, SHAPES[name], tokenizer, tok_dir, device, _dtype(device))
-        loaded = guarded(*build) if clock.left() > 0 else dict(models.SKIPPED)
-        if 3 in wanted:
-            run.put("3_throughput", name, _throughput, loaded, device, profile, clock)
-        if tier:
-            run.put("4_kv_tier", None, _kv_tier, loaded, device, profile, clock)
-        del loaded
-        models.drop()
     if 5 in wanted:
         repeats = 20 if device.type == "cuda" else 2  # interpreted on a CPU: outputs, not times
         batches, context = profile.kernel_batches, profile.kernel_context
@@ -267,6 +262,24 @@ def main() -> None:
             context,
             repeats,
         )
+    if 3 in wanted:
+        run.result["3_throughput"] = {}
+    for i, name in enumerate(names):
+        tier = i == 0 and 4 in wanted  # before the next model is built: 8B must not starve it
+        graphs = i == 0 and 6 in wanted
+        if 3 not in wanted and not tier and not graphs:
+            continue
+        build = (models.random_llama, SHAPES[name], tokenizer, tok_dir, device, _dtype(device))
+        loaded = guarded(*build) if clock.left() > 0 else dict(models.SKIPPED)
+        if 3 in wanted:
+            run.put("3_throughput", name, _throughput, loaded, device, profile, clock)
+        if graphs:
+            batches, new = profile.graph_batches, profile.graph_tokens
+            run.put("6_decode_graphs", None, kernels.decode_graphs, loaded, device, batches, new)
+        if tier:
+            run.put("4_kv_tier", None, _kv_tier, loaded, device, profile, clock)
+        del loaded
+        models.drop()
     run.save()
     guarded(plot, run.result, run.png)
     print(table(run.result))

@@ -80,3 +80,54 @@ def attention_kernel(
         }
         del kv, batch
     return out
+
+
+def decode_graphs(
+    loaded: Any, device: torch.device, batches: tuple[int, ...], new_tokens: int
+) -> dict[str, Any]:
+    """Decode steps replayed as CUDA graphs against eager steps on the step-3 model (greedy,
+    16-token prompts): the same tokens, and the time of a decode step at each batch size (a
+    run of 1 + `new_tokens` tokens minus a run of 1, over `new_tokens`). On a CPU the graphs'
+    padded forward runs uncaptured: same tokens, times of no interest."""
+    from benchmarks.gpu_check_models import pool_bytes
+    from services import LLM, SamplingParams
+
+    if isinstance(loaded, dict):  # building the model failed: what it raised
+        return loaded
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    graphs = "auto" if device.type == "cuda" else "uncaptured"
+    biggest = max(batches)
+    common: dict[str, Any] = dict(
+        loaded=loaded,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_memory=pool_bytes(loaded, biggest * (16 + new_tokens + 1), dtype),
+        max_num_seqs=biggest,
+        grammar_workers=0,
+        enable_prefix_caching=False,
+    )
+    llms = {mode: LLM(**common, decode_graphs=mode) for mode in ("off", graphs)}
+    gen = torch.Generator().manual_seed(2)
+    vocab = int(loaded.config.vocab_size)
+    out: dict[str, Any] = {"graphs": graphs}
+    for rows in batches:
+        prompts = torch.randint(100, vocab, (rows, 16), generator=gen).tolist()
+        row: dict[str, Any] = {}
+        tokens = {}
+        for mode, llm in llms.items():
+            times = []
+            for n in (1, 1 + new_tokens, 1, 1 + new_tokens):  # the first pair warms up
+                params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                _sync(device)
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            tokens[mode] = [o.token_ids for o in outs]
+            row[f"{mode}_step_ms"] = 1e3 * (times[3] - times[2]) / new_tokens
+        row["same_tokens"] = tokens["off"] == tokens[graphs]
+        row["graphs_over_eager"] = row[f"{graphs}_step_ms"] / row["off_step_ms"]
+        out[f"batch_{rows}"] = row
+    runner = llms[graphs].engine.runner.graphs
+    out["steps"] = {"replayed": runner.replayed, "uncaptured": runner.uncaptured} if runner else {}
+    return out

@@ -1,4 +1,4 @@
-"""Step 6 of `benchmarks/gpu_check.py`: the PNG and the short table, read off the result JSON.
+"""Step 7 of `benchmarks/gpu_check.py`: the PNG and the short table, read off the result JSON.
 
 Every reader tolerates a step that was skipped or failed (its entry then holds `skipped` or
 `error`): a partial run still gets its table.
@@ -113,6 +113,21 @@ def kernel_lines(r: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def graph_lines(r: dict[str, Any]) -> list[tuple[str, str]]:
+    if not _ok(r):
+        return [("6 decode graphs", _why(r))]
+    mode = r["graphs"]
+    out = []
+    for key, row in r.items():
+        if key.startswith("batch_"):
+            text = (
+                f"same tokens {row['same_tokens']}; step {row[f'{mode}_step_ms']:.2f} ms "
+                f"({mode}) vs {row['off_step_ms']:.2f} ms eager -> {row['graphs_over_eager']:.2f}"
+            )
+            out.append((f"6 graphs {key.replace('_', ' ')}", text))
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
     env = result.get("environment", {})
     rows = [("device", ", ".join(f"{k} {v}" for k, v in env.items()))]
@@ -121,9 +136,10 @@ def table(result: dict[str, Any]) -> str:
     rows += throughput_lines(result.get("3_throughput", {}))
     rows += tier_lines(result.get("4_kv_tier", {}))
     rows += kernel_lines(result.get("5_attention_kernel", {}))
-    out = result.get("6_outputs", {})
+    rows += graph_lines(result.get("6_decode_graphs", {}))
+    out = result.get("7_outputs", {})
     rows.append(
-        ("6 outputs", f"{out.get('json')}, {out.get('png')}, wall {out.get('wall_s', 0):.0f} s")
+        ("7 outputs", f"{out.get('json')}, {out.get('png')}, wall {out.get('wall_s', 0):.0f} s")
     )
     lines = ["| step | result |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]

@@ -23,6 +23,7 @@ from services.grammar.structured import check_name
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECULATIVE_METHODS = ("ngram",)
 ATTENTION_KERNELS = ("auto", "native", "triton")  # see RunnerConfig.attention_kernel
+DECODE_GRAPHS = ("auto", "off", "uncaptured")  # see RunnerConfig.decode_graphs
 DRAFT_LENGTHS = ("fixed", "adaptive")
 
 
@@ -48,6 +49,11 @@ class RunnerConfig:
     # Which kernel: "auto" (C on CPU, Triton on CUDA), "native" (C, CPU float32) or "triton"
     # (on a CPU through Triton's interpreter: slow, for tests of the GPU's kernel).
     attention_kernel: str = "auto"
+    # Decode steps as CUDA graphs, padded to a few batch sizes (services/engine/decode_graphs.py):
+    # "auto" captures them on CUDA when attention reads pages in place; "off": the plain twin
+    # (every step launched eagerly); "uncaptured": the padded static-buffer forward without
+    # capturing (any device: how a CPU tests what the graphs run).
+    decode_graphs: str = "auto"
     # Llama-family models through a lean forward with their norms, RoPE and SiLU fused
     # (services/models/fused.py), checked against transformers' at load. False: the plain twin
     # (transformers' forward).
@@ -66,6 +72,10 @@ class RunnerConfig:
             raise ValueError(f"device: {self.device!r} is not 'auto', 'cpu' or 'cuda[:N]'")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        if self.decode_graphs not in DECODE_GRAPHS:
+            raise ValueError(
+                f"decode_graphs: {self.decode_graphs!r} is not one of {', '.join(DECODE_GRAPHS)}"
+            )
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(
                 f"attention_kernel: {self.attention_kernel!r} is not one of "

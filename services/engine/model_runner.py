@@ -14,6 +14,7 @@ from kvcache.pages import KVLayout, PageAllocator, PagedKVCache
 from kvcache.prefix import PrefixCachingAllocator
 from services import settings
 from services.engine.config import EngineConfig
+from services.engine.decode_graphs import DecodeGraphs
 from services.engine.request import Request
 from services.engine.scheduler import ScheduledChunk
 from services.lora.layers import LoRASlots, lora_tokens
@@ -100,6 +101,19 @@ class ModelRunner:
             if config.enable_lora
             else None
         )
+        self.graphs = self._decode_graphs(config)
+
+    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        mode, ps = config.decode_graphs, self.kv.page_size
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        if self.kv.kernel is None:
+            log.info("decode graphs: off (attention gathers pages)")
+            return None
+        context = config.max_model_len or getattr(self.model.config, "max_position_embeddings", 0)
+        max_pages = min(-(-(context or self.kv.num_pages * ps) // ps), self.kv.num_pages)
+        forward = self.fused or self._transformers_forward
+        return DecodeGraphs(self.kv, config.max_num_seqs, max_pages, forward, mode == "auto")
 
     @torch.inference_mode()
     def _probe(self) -> variants.AttentionProfile:
@@ -203,6 +217,11 @@ class ModelRunner:
         if self.model.config._attn_implementation != self._attn:
             # another user of this model object (a peer in a benchmark, a test) switched it back
             self.model.set_attn_implementation(self._attn)
+        extras = bool(scored) or bool(slots and max(slots) >= 0)
+        all_sample = all(c.samples and not c.draft for c in chunks)
+        if self.graphs is not None and self.graphs.why_not(seqs, all_sample, extras) is None:
+            with self._products():
+                return self.graphs.run(seqs, token_ids)
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)

@@ -33,7 +33,8 @@ STEPS = [
     "3_throughput",
     "4_kv_tier",
     "5_attention_kernel",
-    "6_outputs",
+    "6_decode_graphs",
+    "7_outputs",
 ]
 
 
@@ -123,7 +124,7 @@ def test_one_key_per_step_and_nothing_failed(run):
     assert sorted(k for k in result if k[0].isdigit()) == STEPS
     assert problems(result) == []
     assert "| step | result |" in stdout  # the table, printed last
-    assert result["6_outputs"]["json"] == "gpu_check.json"
+    assert result["7_outputs"]["json"] == "gpu_check.json"
     assert (out / "gpu_check.png").stat().st_size > 0
 
 
@@ -148,6 +149,8 @@ def test_throughput_and_host_tier_report_every_run(run):
         assert row["constrained_overlap"]["output_tokens"] > 0
     for key in ("batch_1", "batch_4"):  # the Triton kernel, interpreted, against the gather
         assert result["5_attention_kernel"][key]["max_abs_diff"] < 1e-4
+        assert result["6_decode_graphs"][key]["same_tokens"]  # padded static forward, uncaptured
+    assert result["6_decode_graphs"]["steps"]["uncaptured"] > 0
     for row in result["4_kv_tier"]["contexts"].values():
         for hot in ("hot_0x", "hot_1x"):
             assert row[hot]["same_tokens"]  # parked pages read back bit for bit
