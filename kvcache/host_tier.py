@@ -9,8 +9,11 @@ Arena. One allocation made at start-up, never grown: `[2, num_layers, kv_heads, 
 page_size, head_dim]` (keys then values), head-major per layer exactly like `PagedKVCache`, so host
 slot `s` of layer `l` is `keys[l, :, s*ps:(s+1)*ps]` and a page moves as one slice per head. On CUDA
 it is pinned (page-locked) so copies are DMA and can be asynchronous; pinning once avoids the
-per-object pin/unpin leaks and allocation failures seen in LMCache. On CUDA the same allocation
-carries a staging area (`staging_pages` full pages) that batched copies pass through.
+per-object pin/unpin leaks and allocation failures seen in LMCache (where pinning is refused, it
+is pageable memory, logged, and `pinned` says so). On CUDA the same allocation carries a staging
+area (`staging_pages` full pages) that batched copies pass through. The staging logic is the
+same on every device: only the side stream and its events are CUDA's (`_Streams`), so a CPU
+store given `staging_pages` runs it, synchronously, for the tests.
 
 Park. `park` gathers the pages of every layer on the device in one `index_select` per K/V and
 scatters them into the arena with one `index_copy_`; it returns when the host copy is complete, so
@@ -30,6 +33,8 @@ a page). Not thread-safe: the engine thread calls it, telemetry only reads count
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
 from collections import deque
@@ -41,13 +46,55 @@ import torch
 from kvcache.host_slots import HostSlots, Owner
 from kvcache.pages import KVLayout, PagedKVCache
 
+log = logging.getLogger(__name__)
+
+
+class _Streams:
+    """What copies through staging need from the device: on CUDA a side stream that the copies
+    to the device run on and an event the compute stream waits for; on a CPU copies are
+    synchronous, and each of these is nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.side: Any | None = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def on_side(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def landed(self) -> Any | None:
+        """The compute stream waits for the side stream's copies; returns their event."""
+        if self.side is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.side)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        return event
+
+    def read_on_compute(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Tensors allocated on the side stream, freed later on the compute stream that reads
+        them: not reused before it is done."""
+        if self.side is not None:
+            for t in tensors:
+                t.record_stream(torch.cuda.current_stream(self.device))
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, bool]:
+    """One host allocation, pinned when asked and the system allows it; (buffer, pinned)."""
+    if pin:
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True), True
+        except RuntimeError as exc:  # no accelerator, or the lock limit: pageable memory
+            log.warning("KV host tier: pinned memory refused (%s); using pageable memory", exc)
+    return torch.empty(numel, dtype=dtype), False
+
 
 class HostPageStore(HostSlots):
     """Host slots for KV pages of one `KVLayout`: `capacity_pages` full pages (all layers).
 
-    `staging_pages` (CUDA only, default 64, at most the capacity) sizes the pinned staging area in
-    full pages, for keys and for values; a park or read that does not fit goes in pieces, the host
-    waiting for each piece's copy before it refills staging.
+    `staging_pages` (default 64 on CUDA, none on a CPU; at most the capacity) sizes the pinned
+    staging area in full pages, for keys and for values; a park or read that does not fit goes in
+    pieces, the host waiting for each piece's copy before it refills staging.
     """
 
     def __init__(
@@ -68,21 +115,22 @@ class HostPageStore(HostSlots):
         if device.type == "cuda" and device.index is None:  # compare like the pool's tensors
             device = torch.device("cuda", torch.cuda.current_device())
         self.layout, self.device = layout, device
-        self._cuda = device.type == "cuda"
-        pin = self._cuda if pin_memory is None else pin_memory
+        cuda = device.type == "cuda"
         lay = layout
         self._slot_numel = lay.num_kv_heads * lay.page_size * lay.head_dim  # one page, one layer
-        # Staging only on CUDA: on CPU copies go straight between arena and pool.
-        self.staging_pages = min(capacity_pages, staging_pages or 64) if self._cuda else 0
+        # Copies to a GPU always pass through staging; on a CPU they go straight between arena
+        # and pool unless `staging_pages` asks for it (the tests of the staged path)
+        self.staging_pages = min(capacity_pages, staging_pages or (64 if cuda else 0))
         arena = 2 * lay.num_layers * capacity_pages * self._slot_numel
         staging = 2 * lay.num_layers * self.staging_pages * self._slot_numel
         # One allocation for arena and staging: pinned once here, never per page.
-        self._buffer = torch.empty(arena + staging, dtype=lay.dtype, pin_memory=pin)
+        pin = cuda if pin_memory is None else pin_memory
+        self._buffer, self.pinned = _host_buffer(arena + staging, lay.dtype, pin)
         shape = (lay.num_layers, lay.num_kv_heads, capacity_pages * lay.page_size, lay.head_dim)
         self.keys, self.values = self._buffer[:arena].view(2, *shape).unbind(0)
         self._staging = self._buffer[arena:]
         self._staged: Any | None = None  # event of the last copy reading staging (CUDA)
-        self._stream: Any | None = torch.cuda.Stream(device=device) if self._cuda else None
+        self._streams = _Streams(device)
         # Cumulative counters (telemetry reads these names)
         self.pages_parked = 0
         self.bytes_to_host = 0
@@ -129,8 +177,8 @@ class HostPageStore(HostSlots):
         for i, (src, dst) in enumerate(((kv.keys, self.keys), (kv.values, self.values))):
             # [L, KVH, n, ps, D] on the device; the pool is [L, KVH, NP * ps, D]
             block = src.unflatten(2, (kv.num_pages, lay.page_size)).index_select(2, src_idx)
-            if self._cuda:  # through pinned staging: a DMA copy, blocking (ordered after compute)
-                block = self._stage(i, lay.num_layers, n).copy_(block)
+            if self.staging_pages:  # through pinned staging: a DMA copy, blocking (ordered
+                block = self._stage(i, lay.num_layers, n).copy_(block)  # after compute)
             dst.unflatten(2, (self.capacity_pages, lay.page_size)).index_copy_(2, dst_idx, block)
 
     def _check_pool(self, kv: PagedKVCache, device_pages: Sequence[int]) -> None:
@@ -157,8 +205,8 @@ class HostPageStore(HostSlots):
         flats = [
             src[layer].view(-1, lay.page_size, lay.head_dim) for src in (self.keys, self.values)
         ]
-        if self._cuda:
-            out = self._read_cells_cuda(flats, cells)
+        if self.staging_pages:
+            out = self._read_cells_staged(flats, cells)
         else:
             out = [flat.index_select(0, cells) for flat in flats]
         self.record_read(n, time.perf_counter() - start)
@@ -182,40 +230,31 @@ class HostPageStore(HostSlots):
         self.cells_recalled += cells
         self.bytes_to_device += cells * lay.bytes_per_page // (lay.num_layers * lay.num_kv_heads)
 
-    def _read_cells_cuda(
+    def _read_cells_staged(
         self, flats: list[torch.Tensor], cells: torch.Tensor
     ) -> list[torch.Tensor]:
         """Host gather into pinned staging, then host-to-device on the side stream. The results
         are allocated on the side stream (so the copy need not wait for queued compute: it
-        overlaps the resident-page gather) and recorded on the compute stream that reads them."""
-        lay, compute, side = self.layout, torch.cuda.current_stream(self.device), self._stream
-        assert side is not None
+        overlaps the resident-page gather) and recorded on the compute stream that reads them;
+        staging is busy until the compute stream has the copy's event."""
+        lay, streams = self.layout, self._streams
         cell_numel = lay.page_size * lay.head_dim
         per_chunk = self._staging.numel() // 2 // cell_numel  # cells that fit half the staging
         shape = (len(cells), lay.page_size, lay.head_dim)
-        with torch.cuda.stream(side):
+        with streams.on_side():
             out = [torch.empty(shape, dtype=lay.dtype, device=self.device) for _ in flats]
         for lo in range(0, len(cells), per_chunk):
             part = cells[lo : lo + per_chunk]
             for i, (flat, dst) in enumerate(zip(flats, out, strict=True)):
                 staged = self._stage_numel(i, len(part) * cell_numel).view(-1, *flat.shape[1:])
                 torch.index_select(flat, 0, part, out=staged)  # CPU gather into pinned memory
-                with torch.cuda.stream(side):
+                with streams.on_side():
                     dst[lo : lo + len(part)].copy_(staged, non_blocking=True)
-            self._landed()
-        for t in out:  # freed later on the compute stream: not reused before it is done
-            t.record_stream(compute)
+            self._staged = streams.landed()
+        streams.read_on_compute(out)
         return out
 
-    def _landed(self) -> None:
-        """The compute stream waits for the side stream's copies; staging is busy until then."""
-        assert self._stream is not None
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        torch.cuda.current_stream(self.device).wait_event(event)
-        self._staged = event
-
-    # -- staging (CUDA) ---------------------------------------------------------------------
+    # -- staging ----------------------------------------------------------------------------
 
     def _stage(self, which: int, m: int, n: int) -> torch.Tensor:
         """Staging for keys (0) or values (1) of `n` pages over `m` layers, `[m, KVH, n, ps, D]`."""

@@ -61,6 +61,38 @@ def test_park_then_read_every_layer_is_bit_exact(dtype):
             assert torch.equal(keys[i], k[layer]) and torch.equal(values[i], v[layer])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("staging", [1, 3])
+def test_the_staged_path_runs_on_a_cpu_and_reads_what_the_direct_path_does(dtype, staging):
+    """The GPU's copies through staging, in pieces of `staging` pages (a park of 5 pages, a read
+    of 5 pages x 2 heads: several pieces each), run synchronously here: the same bytes back."""
+    lay = layout(dtype)
+    kv = pool(lay)
+    direct, staged = HostPageStore(lay, 8, CPU), HostPageStore(lay, 8, CPU, staging_pages=staging)
+    assert direct.staging_pages == 0 and staged.staging_pages == staging
+    src = [4, 1, 7, 2, 9]
+    slots = [store.park(kv, src, A1) for store in (direct, staged)]
+    assert slots[0] == slots[1]
+    for layer in range(lay.num_layers):
+        want = read_pages(direct, slots[0][::-1], layer)
+        got = read_pages(staged, slots[1][::-1], layer)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+
+
+def test_pinning_refused_falls_back_to_pageable_memory(caplog):
+    """No accelerator here: pinned memory is refused, and the store works from pageable memory,
+    saying so (on CUDA the same call pins)."""
+    lay = layout()
+    store = HostPageStore(lay, 4, CPU, pin_memory=True)
+    assert store.pinned == torch.cuda.is_available()
+    if not store.pinned:
+        assert "pinned memory refused" in caplog.text
+    kv = pool(lay)
+    slots = store.park(kv, [3], A1)
+    keys, _ = read_pages(store, slots, 0)
+    assert torch.equal(keys[0], page(kv, 3, layer=0)[0])
+
+
 def test_read_order_follows_the_cell_list():
     lay = layout()
     kv, store = pool(lay), HostPageStore(lay, 8, CPU)
