@@ -31,17 +31,17 @@ def structserve_engine(job: dict) -> tuple[Any, Any, dict]:
 
     from services import LLM, SamplingParams, StructuredOutput
 
-    llm = LLM(
-        model=job["model"],
-        device="cpu",
-        dtype="float32",
-        num_threads=job["threads"],
-        kv_cache_memory=job["kv_gib"] << 30,
-        max_num_seqs=job["max_num_seqs"],
-        max_num_batched_tokens=job["max_num_batched_tokens"],
-        seed=job["seed"],
-        **job.get("structserve_args", {}),
-    )
+    settings = {
+        "model": job["model"],
+        "device": "cpu",
+        "dtype": "float32",
+        "num_threads": job["threads"],
+        "kv_cache_memory": job["kv_gib"] << 30,
+        "max_num_seqs": job["max_num_seqs"],
+        "max_num_batched_tokens": job["max_num_batched_tokens"],
+        "seed": job["seed"],
+    }
+    llm = LLM(**{**settings, **job.get("structserve_args", {})})  # --structserve-args win
 
     def params(r: dict) -> SamplingParams:
         structured = StructuredOutput(json_schema=r["schema"]) if "schema" in r else None
