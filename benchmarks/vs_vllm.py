@@ -99,6 +99,7 @@ def build_job(args: argparse.Namespace) -> dict:
         "model": str(model_dir),
         "threads": args.threads,
         "kv_gib": args.kv_gib,
+        "dtype": args.dtype,
         "max_num_seqs": 64,
         "max_num_batched_tokens": 2048,
         "seed": args.seed,
@@ -306,6 +307,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=None, help="mixed and json (default 32, 22)")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on every output (smoke runs)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines'"
+    )
     p.add_argument("--kv-gib", type=int, default=2, help="KV cache memory of each engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="an HF folder; default: the converted SmolLM2")
@@ -364,7 +368,8 @@ def main() -> None:
         "order": order,
         "model": job["model"],
         "engine_settings": {
-            k: job[k] for k in ("threads", "kv_gib", "max_num_seqs", "max_num_batched_tokens")
+            k: job[k]
+            for k in ("threads", "kv_gib", "dtype", "max_num_seqs", "max_num_batched_tokens")
         },
         "versions": {e: rs[0]["versions"] for e, rs in runs.items()},
         "env": {e: rs[0]["env"] for e, rs in runs.items()},

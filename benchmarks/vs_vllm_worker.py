@@ -34,7 +34,7 @@ def structserve_engine(job: dict) -> tuple[Any, Any, dict]:
     settings = {
         "model": job["model"],
         "device": "cpu",
-        "dtype": "float32",
+        "dtype": job.get("dtype", "float32"),
         "num_threads": job["threads"],
         "kv_cache_memory": job["kv_gib"] << 30,
         "max_num_seqs": job["max_num_seqs"],
@@ -69,7 +69,7 @@ def vllm_engine(job: dict) -> tuple[Any, Any, dict]:
     llm = LLM(
         model=job["model"],
         tokenizer=job["model"],
-        dtype="float32",
+        dtype=job.get("dtype", "float32"),
         seed=job["seed"],
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=job["max_num_batched_tokens"],

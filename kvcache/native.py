@@ -69,15 +69,16 @@ class AttentionKernel(Protocol):
 
 
 class PagedKernel:
-    """`paged_attention_short` of the C file, over torch tensors (float32, contiguous, CPU).
-    `kvcache/triton_attention.py` has the same interface for CUDA."""
+    """`paged_attention_short` of the C file, over torch tensors (float32 or bfloat16, contiguous,
+    CPU). `kvcache/triton_attention.py` has the same interface for CUDA."""
 
     prompt_chunks = False  # prompt chunks over a cached prefix keep the gather path
     quest = False  # so do Quest rows
 
     def reads(self, dtype: torch.dtype, parked: bool) -> bool:
-        """Float32 rows, parked pages included (the host tier's arena is CPU memory too)."""
-        return dtype == torch.float32
+        """Float32 and bfloat16 rows (bfloat16 widened to float32 as it is read, the sums in
+        float32), parked pages included (the host tier's arena is CPU memory too)."""
+        return dtype in (torch.float32, torch.bfloat16)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.paged_attention_short
@@ -85,6 +86,7 @@ class PagedKernel:
         fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR]
         fn.argtypes += [_PTR, _I64]
         fn.argtypes += [_I64, _I64, _I64, _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [ctypes.c_int]  # bfloat16 tensors (else float32)
         self._fn = fn
 
     def short(
@@ -109,6 +111,8 @@ class PagedKernel:
         page ids from `k_cache`'s page count on are read (parked pages, in place)."""
         if logical is not None:
             raise ValueError("the C kernel reads no Quest tables (see `quest`)")
+        if not q.dtype == out.dtype == k_cache.dtype == v_cache.dtype:
+            raise ValueError("paged attention: q, out and the caches must share a dtype")
         rows, max_pages = page_table.shape
         kv_heads, slots, dim = k_cache.shape
         k_host, v_host = host if host is not None else (None, None)
@@ -135,6 +139,7 @@ class PagedKernel:
             window or 0,
             softcap or 0.0,
             torch.get_num_threads(),
+            int(k_cache.dtype == torch.bfloat16),
         )
         if status != 0:
             raise MemoryError("paged attention: no memory for a row's scores")

@@ -8,7 +8,8 @@
  * Two passes per query (scores, then the weighted values) with an exact softmax: the same sums
  * as SDPA up to their order and the last bits of exp.
  *
- * Layouts (float32, contiguous): q and out [T, H, D] (packed tokens); k_cache and v_cache
+ * Layouts (float32, or bfloat16 where `bf16` is set: every tensor then, the sums staying in
+ * float32), contiguous: q and out [T, H, D] (packed tokens); k_cache and v_cache
  * [KVH, slots, D] (slot = page * page_size + offset); page_table [R, max_pages]. Page ids from
  * `num_pages` on name parked pages, read in place from the host tier's arena of this layer,
  * k_host and v_host [KVH, host_slots, D] (page id - num_pages is the host page).
@@ -22,12 +23,39 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 #include "simd_exp.h" /* exp16 */
 
 #define BLOCK 16 /* keys scored together */
+
+/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest even
+ * (as torch does), NaN kept a NaN */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* out[j] = q . k[j] for bfloat16 keys */
+static void dots_bf16_plain(const float *q, const uint16_t *k, int64_t n, int64_t dim, float *out) {
+    for (int64_t j = 0; j < n; ++j) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) s += q[d] * bf16_to_f32(k[j * dim + d]);
+        out[j] = s;
+    }
+}
 
 /* out[j] = q . k[j] for j < n <= BLOCK (rows of k `dim` apart) */
 static void dots_plain(const float *q, const float *k, int64_t n, int64_t dim, float *out) {
@@ -39,6 +67,13 @@ static void dots_plain(const float *q, const float *k, int64_t n, int64_t dim, f
 }
 
 #ifdef __AVX512F__
+static inline __m512 load16_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void reduce16(__m512 *v, int64_t n, float *out);
+
 static void dots(const float *q, const float *k, int64_t n, int64_t dim, float *out) {
     if (dim % 16) {
         dots_plain(q, k, n, dim, out);
@@ -52,6 +87,27 @@ static void dots(const float *q, const float *k, int64_t n, int64_t dim, float *
                 a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + j * dim + d), a);
         v[j] = a;
     }
+    reduce16(v, n, out);
+}
+
+static void dots_bf16(const float *q, const uint16_t *k, int64_t n, int64_t dim, float *out) {
+    if (dim % 16) {
+        dots_bf16_plain(q, k, n, dim, out);
+        return;
+    }
+    __m512 v[BLOCK];
+    for (int j = 0; j < BLOCK; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < n)
+            for (int64_t d = 0; d < dim; d += 16)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_bf16(k + j * dim + d), a);
+        v[j] = a;
+    }
+    reduce16(v, n, out);
+}
+
+/* v[0..15] -> out[j] = the sum of v[j]'s lanes, for j < n */
+static void reduce16(__m512 *v, int64_t n, float *out) {
     /* 16 vectors -> one vector of their 16 sums: pairs within 128-bit lanes, then lanes */
     __m512 w[8], x[4];
     for (int i = 0; i < 8; ++i)
@@ -71,6 +127,7 @@ static void dots(const float *q, const float *k, int64_t n, int64_t dim, float *
 }
 #else
 #define dots dots_plain
+#define dots_bf16 dots_bf16_plain
 #endif
 
 /* scores[g * n + i] <- softmax over i of query head g's scores (n = seen - first) */
@@ -97,16 +154,18 @@ static void softmax_rows(float *scores, int64_t group, int64_t n) {
     }
 }
 
-/* Where one KV head's pages lie: the pool, and the host arena for parked ids. */
+/* Where one KV head's pages lie: the pool, and the host arena for parked ids; entries of
+ * `elem` bytes (4: float32, 2: bfloat16). */
 typedef struct {
-    const float *pool, *host;
-    int64_t num_pages, page_size, dim;
+    const char *pool, *host;
+    int64_t num_pages, page_size, dim, elem;
 } Pages;
 
-static inline const float *entry(const Pages *p, int64_t page, int64_t offset) {
-    const float *base = page < p->num_pages ? p->pool + page * p->page_size * p->dim
-                                            : p->host + (page - p->num_pages) * p->page_size * p->dim;
-    return base + offset * p->dim;
+static inline const void *entry(const Pages *p, int64_t page, int64_t offset) {
+    int64_t row = p->page_size * p->dim * p->elem;
+    const char *base =
+        page < p->num_pages ? p->pool + page * row : p->host + (page - p->num_pages) * row;
+    return base + offset * p->dim * p->elem;
 }
 
 /* Query j of a row, for the `group` query heads sharing one KV head. */
@@ -119,10 +178,13 @@ static void one_query(const float *q, float *out, const Pages *kp, const Pages *
         int64_t in_page = (i / page_size + 1) * page_size;
         int64_t end = in_page < seen ? in_page : seen;
         end = end - i > BLOCK ? i + BLOCK : end;
-        const float *k = entry(kp, pages[i / page_size], i % page_size);
+        const void *k = entry(kp, pages[i / page_size], i % page_size);
         for (int64_t g = 0; g < group; ++g) {
             float *s = scores + g * n + i - first;
-            dots(q + g * dim, k, end - i, dim, s);
+            if (kp->elem == 2)
+                dots_bf16(q + g * dim, (const uint16_t *)k, end - i, dim, s);
+            else
+                dots(q + g * dim, (const float *)k, end - i, dim, s);
             for (int64_t j = 0; j < end - i; ++j) {
                 s[j] *= scale;
                 if (softcap > 0.0f) s[j] = tanhf(s[j] / softcap) * softcap;
@@ -135,26 +197,34 @@ static void one_query(const float *q, float *out, const Pages *kp, const Pages *
     for (int64_t i = first; i < seen;) {
         int64_t end = (i / page_size + 1) * page_size;
         end = end < seen ? end : seen;
-        const float *v = entry(vp, pages[i / page_size], i % page_size);
-        for (; i < end; ++i, v += dim) {
+        const void *v = entry(vp, pages[i / page_size], i % page_size);
+        for (; i < end; ++i) {
             for (int64_t g = 0; g < group; ++g) {
                 float p = scores[g * n + i - first], *o = out + g * dim;
+                if (vp->elem == 2) {
+                    const uint16_t *vh = (const uint16_t *)v;
 #pragma omp simd
-                for (int64_t d = 0; d < dim; ++d) o[d] += p * v[d];
+                    for (int64_t d = 0; d < dim; ++d) o[d] += p * bf16_to_f32(vh[d]);
+                } else {
+                    const float *vv = (const float *)v;
+#pragma omp simd
+                    for (int64_t d = 0; d < dim; ++d) o[d] += p * vv[d];
+                }
             }
+            v = (const char *)v + dim * vp->elem;
         }
     }
 }
 
 /* Returns 0, or -1 when a scores buffer could not be allocated (nothing is then trusted). */
-int paged_attention_short(const float *q, float *out, const float *k_cache,
-                          const float *v_cache, int64_t slots, const float *k_host,
-                          const float *v_host, int64_t host_slots, const int64_t *page_table,
-                          int64_t max_pages, const int64_t *starts, const int64_t *num_queries,
+int paged_attention_short(const void *q, void *out, const void *k_cache, const void *v_cache,
+                          int64_t slots, const void *k_host, const void *v_host,
+                          int64_t host_slots, const int64_t *page_table, int64_t max_pages,
+                          const int64_t *starts, const int64_t *num_queries,
                           const int64_t *offsets, int64_t rows, int64_t heads, int64_t kv_heads,
                           int64_t dim, int64_t page_size, float scale, int64_t window,
-                          float softcap, int num_threads) {
-    int64_t group = heads / kv_heads;
+                          float softcap, int num_threads, int bf16) {
+    int64_t group = heads / kv_heads, elem = bf16 ? 2 : 4;
     /* Few rows (one request decoding): a task per query head instead, so every thread has work;
      * the heads of one KV head then read its pages once each, mostly from cache. */
     int64_t split = rows * kv_heads < 4 * num_threads ? group : 1, per = group / split;
@@ -163,22 +233,35 @@ int paged_attention_short(const float *q, float *out, const float *k_cache,
     for (int64_t t = 0; t < rows * kv_heads * split; ++t) {
         int64_t r = t / (kv_heads * split), kvh = t / split % kv_heads, part = t % split;
         int64_t last = starts[r] + num_queries[r];
-        float *scores = malloc((size_t)(per * (last > 0 ? last : 1)) * sizeof(float));
+        /* the scores, then (bfloat16) the queries and outputs of one query in float32 */
+        int64_t wide = bf16 ? 2 * per * dim : 0;
+        float *scores = malloc((size_t)(per * (last > 0 ? last : 1) + wide) * sizeof(float));
         if (!scores) {
             failed = 1;
             continue;
         }
+        float *qf = scores + per * (last > 0 ? last : 1), *of = qf + per * dim;
         const int64_t *pages = page_table + r * max_pages;
         int64_t num_pages = slots / page_size;
-        Pages kp = {k_cache + kvh * slots * dim, k_host ? k_host + kvh * host_slots * dim : 0,
-                    num_pages, page_size, dim};
-        Pages vp = {v_cache + kvh * slots * dim, v_host ? v_host + kvh * host_slots * dim : 0,
-                    num_pages, page_size, dim};
+        const char *kc = k_cache, *vc = v_cache, *kh = k_host, *vh = v_host;
+        Pages kp = {kc + kvh * slots * dim * elem, kh ? kh + kvh * host_slots * dim * elem : 0,
+                    num_pages, page_size, dim, elem};
+        Pages vp = {vc + kvh * slots * dim * elem, vh ? vh + kvh * host_slots * dim * elem : 0,
+                    num_pages, page_size, dim, elem};
         for (int64_t j = 0; j < num_queries[r]; ++j) {
             int64_t seen = starts[r] + j + 1;
             int64_t first = (window > 0 && seen > window) ? seen - window : 0;
             int64_t at = ((offsets[r] + j) * heads + kvh * group + part * per) * dim; /* [T,H,D] */
-            one_query(q + at, out + at, &kp, &vp, pages, first, seen, per, scale, softcap, scores);
+            if (!bf16) {
+                one_query((const float *)q + at, (float *)out + at, &kp, &vp, pages, first, seen,
+                          per, scale, softcap, scores);
+                continue;
+            }
+            const uint16_t *qh = (const uint16_t *)q + at;
+            for (int64_t d = 0; d < per * dim; ++d) qf[d] = bf16_to_f32(qh[d]);
+            one_query(qf, of, &kp, &vp, pages, first, seen, per, scale, softcap, scores);
+            uint16_t *oh = (uint16_t *)out + at;
+            for (int64_t d = 0; d < per * dim; ++d) oh[d] = f32_to_bf16(of[d]);
         }
         free(scores);
     }

@@ -41,12 +41,12 @@ class RunnerConfig:
     # (`F.linear`). No effect on CUDA.
     packed_weights: bool = True
     # Attention reads the KV pages where they lie instead of gathering them into a workspace
-    # for SDPA: on CPU in float32 decode rows through a C kernel (kvcache/paged_attention.c,
-    # built on first use), on CUDA decode rows, prompt chunks over a cached prefix and Quest's
-    # choice through Triton (kvcache/triton_attention.py). False, or a machine without a C
-    # compiler or Triton: the plain twin (gather, then SDPA).
+    # for SDPA: on CPU (float32, bfloat16) decode rows through a C kernel
+    # (kvcache/paged_attention.c, built on first use), on CUDA decode rows, prompt chunks over
+    # a cached prefix and Quest's choice through Triton (kvcache/triton_attention.py). False,
+    # or a machine without a C compiler or Triton: the plain twin (gather, then SDPA).
     inplace_attention: bool = True
-    # Which kernel: "auto" (C on CPU, Triton on CUDA), "native" (C, CPU float32) or "triton"
+    # Which kernel: "auto" (C on CPU, Triton on CUDA), "native" (C, CPU) or "triton"
     # (on a CPU through Triton's interpreter: slow, for tests of the GPU's kernel).
     attention_kernel: str = "auto"
     # Decode steps as CUDA graphs, padded to a few batch sizes (services/engine/decode_graphs.py):

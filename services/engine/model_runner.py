@@ -37,8 +37,9 @@ def _kv_layout(config: object, page_size: int, dtype: torch.dtype) -> KVLayout:
 
 def attention_kernel(name: str, device: torch.device, dtype: torch.dtype) -> AttentionKernel | None:
     """The kernel that reads KV pages in place (`RunnerConfig.attention_kernel`), or None: the
-    gather path. "auto" picks C on a CPU in float32 and Triton on CUDA, and falls back to the
-    gather path (logged) where either is missing; a kernel named where it cannot run is refused."""
+    gather path. "auto" picks C on a CPU (float32, bfloat16) and Triton on CUDA, and falls back
+    to the gather path (logged) where either is missing; a kernel named where it cannot run is
+    refused."""
     triton = name == "triton" or (name == "auto" and device.type == "cuda")
     if triton:
         try:
@@ -50,9 +51,9 @@ def attention_kernel(name: str, device: torch.device, dtype: torch.dtype) -> Att
             return None
         kernel = TritonPagedKernel()
         return kernel if kernel.reads(dtype, False) else None
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         if name == "native":
-            raise ValueError("attention_kernel: native reads float32 pages on a CPU only")
+            raise ValueError("attention_kernel: native reads float32 or bfloat16 pages on a CPU")
         return None
     return native.load(settings.cache_dir() / "kernels")
 

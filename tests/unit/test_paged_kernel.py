@@ -1,6 +1,7 @@
 """The in-place paged attention kernel (kvcache/paged_attention.c) against the plain path (pages
 gathered, then SDPA) on random tensors: decode rows, multi-token spans, pages out of order,
-grouped query heads, sliding windows and soft-capped logits; and the fallback without a compiler."""
+grouped query heads, sliding windows and soft-capped logits, float32 and bfloat16 pages; and the
+fallback without a compiler."""
 
 from __future__ import annotations
 
@@ -45,11 +46,10 @@ ALONE = [(45, 1)]
 @pytest.mark.parametrize(
     "shapes,dim", [(BATCH, D), (ALONE, D), (BATCH, 24)], ids=["batch", "alone", "dim24"]
 )
-def test_the_kernel_equals_gather_then_sdpa(kernel, heads, kv_heads, variant, shapes, dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_equals_gather_then_sdpa(kernel, heads, kv_heads, variant, shapes, dim, dtype):
     torch.manual_seed(0)
-    layout = KVLayout(
-        num_layers=1, num_kv_heads=kv_heads, head_dim=dim, page_size=PS, dtype=torch.float32
-    )
+    layout = KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, page_size=PS, dtype=dtype)
     kv = PagedKVCache(layout, 96, torch.device("cpu"))
     seqs = []
     for cached, n in shapes:
@@ -59,13 +59,17 @@ def test_the_kernel_equals_gather_then_sdpa(kernel, heads, kv_heads, variant, sh
     kv.keys.normal_()
     kv.values.normal_()
     t = sum(n for _, n in shapes)
-    q = torch.randn(1, heads, t, dim) * 2
-    k, v = torch.randn(1, kv_heads, t, dim), torch.randn(1, kv_heads, t, dim)
+    q = (torch.randn(1, heads, t, dim) * 2).to(dtype)
+    k, v = (torch.randn(1, kv_heads, t, dim).to(dtype) for _ in range(2))
     kv.kernel = None
     want = attend(kv, seqs, q, k, v, **variant)
     kv.kernel = kernel
     got = attend(kv, seqs, q, k, v, **variant)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # bfloat16: the kernel sums in float32, SDPA in its own order: within a bf16 step
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_no_compiler_leaves_the_plain_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

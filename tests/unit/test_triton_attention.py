@@ -136,8 +136,8 @@ def test_the_kernel_choice_refuses_what_cannot_run():
     assert isinstance(
         attention_kernel("triton", cpu, torch.float32), triton_attention.TritonPagedKernel
     )
-    assert attention_kernel("auto", cpu, torch.bfloat16) is None  # the C kernel: float32 only
+    assert attention_kernel("auto", cpu, torch.float16) is None  # the C kernel: fp32, bf16
     with pytest.raises(ValueError, match="attention_kernel: native"):
-        attention_kernel("native", cpu, torch.bfloat16)
+        attention_kernel("native", cpu, torch.float16)
     with pytest.raises(ValueError, match="attention_kernel: 'flash'"):
         RunnerConfig(attention_kernel="flash")
