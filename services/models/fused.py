@@ -5,9 +5,9 @@ six calls each, RoPE's fourteen, SiLU and the product, two residual adds, plus i
 keyword plumbing. At decode sizes each call costs more in dispatch than in arithmetic: a small
 model's one-token step spends a large share of its time outside the matrix products.
 This forward walks the same modules (their weights, the packed linears, the rotary embedding,
-the paged attention function) with each step in one call: `fused_ops.c` on CPU in float32
-(residual add and norm in one pass, RoPE, SiLU times up), the same torch calls as
-transformers elsewhere (CUDA, other dtypes, no C compiler), which keeps only the lighter walk.
+the paged attention function) with each step in one call: `fused_ops.c` on CPU in float32 or
+bfloat16 (residual add and norm in one pass, RoPE, SiLU times up), the same torch calls as
+transformers elsewhere (CUDA, float16, no C compiler), which keeps only the lighter walk.
 
 It serves the architectures whose decoder layer is Llama's (`ARCHITECTURES`) and only where
 every layer's attention is plain (no sliding window, no soft cap); anything else keeps
@@ -64,15 +64,33 @@ class TorchSteps:
         return act(gate) * up
 
 
+C_DTYPES = (torch.float32, torch.bfloat16)  # what fused_ops.c has steps for
+
+
 class CSteps(TorchSteps):
-    """The steps through `fused_ops.c` (CPU, float32): one call and one pass each."""
+    """The steps through `fused_ops.c` (CPU, float32 or bfloat16): one call and one pass each.
+    Every tensor of a step shares the model's dtype (cos and sin are cast to it, as
+    transformers' rotary embedding returns them)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        lib.rms_norm.argtypes = [_PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _I64, _INT]
-        lib.add_rms_norm.argtypes = [_PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _INT]
-        lib.silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT]
-        lib.rope.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
+        for suffix in ("", "_bf16"):  # float32, bfloat16
+            getattr(lib, "rms_norm" + suffix).argtypes = [
+                _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _I64, _INT
+            ]  # fmt: skip
+            getattr(lib, "add_rms_norm" + suffix).argtypes = [
+                _PTR, _PTR, _I64, _PTR, _F32, _PTR, _I64, _I64, _INT
+            ]  # fmt: skip
+            getattr(lib, "silu_mul" + suffix).argtypes = [
+                _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT
+            ]  # fmt: skip
+            getattr(lib, "rope" + suffix).argtypes = [
+                _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT
+            ]  # fmt: skip
         self.lib = lib
+
+    def _fn(self, name: str, t: torch.Tensor) -> Any:
+        """The C step `name` for `t`'s dtype."""
+        return getattr(self.lib, name + ("_bf16" if t.dtype == torch.bfloat16 else ""))
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, norm: Any
@@ -83,13 +101,13 @@ class CSteps(TorchSteps):
         out = torch.empty_like(h)
         eps, threads = norm.variance_epsilon, torch.get_num_threads()
         if delta is None:
-            self.lib.rms_norm(
+            self._fn("rms_norm", h)(
                 h.data_ptr(), width, norm.weight.data_ptr(), eps, out.data_ptr(), width,
                 rows, width, threads,
             )  # fmt: skip
         else:  # h is this forward's own residual stream: updated in place
             _check_rows(delta)
-            self.lib.add_rms_norm(
+            self._fn("add_rms_norm", h)(
                 h.data_ptr(), delta.data_ptr(), delta.stride(0), norm.weight.data_ptr(), eps,
                 out.data_ptr(), rows, width, threads,
             )  # fmt: skip
@@ -99,7 +117,7 @@ class CSteps(TorchSteps):
         _check_rows(x)
         rows, dim = x.shape[0], cos.shape[-1]
         out = x.new_empty(x.shape[1] // dim, rows, dim)
-        self.lib.rope(
+        self._fn("rope", x)(
             x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows,
             out.shape[0], dim, torch.get_num_threads(),
         )  # fmt: skip
@@ -110,7 +128,7 @@ class CSteps(TorchSteps):
         _check_rows(up)
         rows, width = gate.shape
         out = gate.new_empty(rows, width)
-        self.lib.silu_mul(
+        self._fn("silu_mul", gate)(
             gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
             rows, width, torch.get_num_threads(),
         )  # fmt: skip
@@ -118,8 +136,8 @@ class CSteps(TorchSteps):
 
 
 def _check_rows(t: torch.Tensor) -> None:
-    if t.dim() != 2 or t.stride(1) != 1 or t.dtype != torch.float32:
-        raise ValueError(f"fused step: rows of float32 expected, got {t.dtype} {t.stride()}")
+    if t.dim() != 2 or t.stride(1) != 1 or t.dtype not in C_DTYPES:
+        raise ValueError(f"fused step: rows of {C_DTYPES} expected, got {t.dtype} {t.stride()}")
 
 
 class FusedForward:
@@ -176,7 +194,7 @@ def for_model(
         return None
     weight = model.get_parameter("lm_head.weight")
     steps = TorchSteps()
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+    if weight.device.type == "cpu" and weight.dtype in C_DTYPES:
         lib = native.library(SOURCE, build_dir)
         if lib is not None:
             steps = CSteps(lib)

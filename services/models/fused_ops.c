@@ -8,6 +8,8 @@
  *   silu_mul      out = silu(g) * u                    (the MLP's activation)
  *   rope          x * cos + rotate_half(x) * sin for `heads` heads of each row, head-major
  *
+ * Each also in bfloat16 (`<name>_bf16`, at the end), rounding as transformers' modules do.
+ *
  * Inputs may be row-strided (views into a product holding sibling projections); within a row
  * elements are contiguous; `out` and `h` are contiguous. With AVX-512 the sums and exp are
  * vectorized; elsewhere plain loops. Rows split over OpenMP threads only where a step is big
@@ -15,6 +17,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -100,6 +104,94 @@ void rope(const float *x, int64_t x_stride, const float *cos, const float *sin, 
             for (int64_t i = 0; i < half; ++i) {
                 oa[i] = a[i] * c[i] - b[i] * s[i];
                 ob[i] = b[i] * c[half + i] + a[i] * s[half + i];
+            }
+        }
+    }
+}
+
+/* The same steps over bfloat16 tensors, rounding where transformers' bfloat16 modules round
+ * (each torch op's result is bfloat16), the sums in float32 as torch computes them. */
+static inline float bf(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float rbf(float f) { return bf(to_bf(f)); } /* f as bfloat16 holds it */
+
+/* out = w * bf16(x / rms(x)), x already widened */
+static void norm_row_bf16(const float *x, const uint16_t *w, float eps, uint16_t *out, int64_t n) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; ++i) total += x[i] * x[i];
+    float inv = 1.0f / sqrtf(total / (float)n + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * rbf(x[i] * inv));
+}
+
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps,
+                   uint16_t *out, int64_t out_stride, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *xf = malloc((size_t)n * sizeof(float));
+        if (!xf) continue; /* the caller checks nothing here: n is a model's width */
+        for (int64_t i = 0; i < n; ++i) xf[i] = bf(x[r * x_stride + i]);
+        norm_row_bf16(xf, w, eps, out + r * out_stride, n);
+        free(xf);
+    }
+}
+
+void add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, int64_t delta_stride,
+                       const uint16_t *w, float eps, uint16_t *out, int64_t rows, int64_t n,
+                       int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *xf = malloc((size_t)n * sizeof(float));
+        if (!xf) continue;
+        uint16_t *hr = h + r * n;
+        const uint16_t *dr = delta + r * delta_stride;
+        for (int64_t i = 0; i < n; ++i) {
+            hr[i] = to_bf(bf(hr[i]) + bf(dr[i]));
+            xf[i] = bf(hr[i]);
+        }
+        norm_row_bf16(xf, w, eps, out + r * n, n);
+        free(xf);
+    }
+}
+
+void silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *up, int64_t u_stride,
+                   uint16_t *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *g = gate + r * g_stride, *u = up + r * u_stride;
+        uint16_t *o = out + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+            float gv = bf(g[i]);
+            o[i] = to_bf(rbf(gv / (1.0f + expf(-gv))) * bf(u[i]));
+        }
+    }
+}
+
+void rope_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin,
+               uint16_t *out, int64_t rows, int64_t heads, int64_t dim, int num_threads) {
+    int64_t half = dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * dim > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            const uint16_t *a = x + r * x_stride + h * dim, *b = a + half;
+            uint16_t *oa = out + (h * rows + r) * dim, *ob = oa + half;
+            for (int64_t i = 0; i < half; ++i) {
+                float av = bf(a[i]), bv = bf(b[i]);
+                oa[i] = to_bf(rbf(av * bf(c[i])) + rbf(-bv * bf(s[i])));
+                ob[i] = to_bf(rbf(bv * bf(c[half + i])) + rbf(av * bf(s[half + i])));
             }
         }
     }

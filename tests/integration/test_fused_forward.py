@@ -42,29 +42,33 @@ class Norm(torch.nn.Module):
         self.variance_epsilon = 1e-5
 
 
-def test_c_steps_equal_the_torch_steps(c_steps):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_steps_equal_the_torch_steps(c_steps, dtype):
+    """In bfloat16 the C steps round where the torch calls do (each op's result), so the
+    residual stream is the same bits and the rest within a bfloat16 step."""
     torch.manual_seed(0)
     plain = fused.TorchSteps()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     rows, width, heads, dim = 7, 96, 3, 32
-    norm = Norm(width)
-    h = torch.randn(rows, width) * 3
-    wide = torch.randn(rows, 2 * width)  # a product of two siblings: rows are strided views
+    norm = Norm(width).to(dtype)
+    h = (torch.randn(rows, width) * 3).to(dtype)
+    wide = torch.randn(rows, 2 * width).to(dtype)  # two siblings' product: rows are strided views
     for delta in (None, wide[:, width:]):
         want_h, want = plain.add_rms_norm(h.clone(), delta, norm)
         got_h, got = c_steps.add_rms_norm(h.clone(), delta, norm)
         torch.testing.assert_close(got_h, want_h, rtol=0, atol=0)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    qkv = torch.randn(rows, 3 * heads * dim)
+        torch.testing.assert_close(got, want, **tol)
+    qkv = torch.randn(rows, 3 * heads * dim).to(dtype)
     angles = torch.rand(rows, dim // 2) * 10
-    cos, sin = (f(torch.cat((angles, angles), dim=-1)) for f in (torch.cos, torch.sin))
+    cos, sin = (f(torch.cat((angles, angles), dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
     want = plain.rope(qkv[:, : heads * dim], cos, sin)
     got = c_steps.rope(qkv[:, : heads * dim], cos, sin)  # from a strided view, head-major
-    assert got.shape == (heads, rows, dim) and got.is_contiguous()
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    gate_up = torch.randn(rows, 2 * width) * 4
+    assert got.shape == (heads, rows, dim) and got.is_contiguous() and got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    gate_up = (torch.randn(rows, 2 * width) * 4).to(dtype)
     gate, up = gate_up.split(width, dim=-1)
     want = plain.silu_mul(torch.nn.functional.silu, gate, up)
-    torch.testing.assert_close(c_steps.silu_mul(None, gate, up), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c_steps.silu_mul(None, gate, up), want, **tol)
 
 
 def test_c_steps_refuse_what_they_cannot_read(c_steps):

@@ -68,3 +68,36 @@ def fast(loaded_model) -> list[list[int]]:
 def test_constrained_rows_and_every_kv_policy_equal_the_plain_twin(loaded_model, fast, twin):
     llm = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0, **twin)
     assert [o.token_ids for o in llm.generate(*batch(llm))] == fast
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    """The real model again, for bfloat16 engines (an engine prepares its model for its dtype)."""
+    from services.models import load_model
+
+    return load_model()
+
+
+@pytest.mark.parametrize(
+    "twin",
+    [{"inplace_attention": False}, {"fused_forward": False}],
+    ids=["gathered-attention", "transformers-forward"],
+)
+def test_bfloat16_fast_paths_equal_their_plain_twins(bf16_model, twin):
+    """In bfloat16 the C attention reads bf16 pages and the fused steps round as transformers'
+    bf16 modules do: the same greedy tokens as gather-then-SDPA and transformers' forward for
+    the constrained rows, the plain row and the policies that keep by position (window, sinks).
+    H2O and SnapKV evict by summed attention weights and Quest picks pages by key bounds, near
+    ties in bfloat16: another summation order picks another token or page (the two plain twins
+    part there against each other too), so those rows are left out."""
+    kw = {"loaded": bf16_model, "dtype": "bfloat16", "kv_cache_memory": 32 << 20}
+    fast = LLM(**kw, grammar_workers=0)
+    runner = fast.engine.runner
+    assert runner.kv.kernel is not None and runner.fused is not None
+    assert isinstance(runner.fused.steps, fused.CSteps)
+    plain = LLM(**kw, grammar_workers=0, **twin)
+    prompts, params = batch(fast)
+    kept = [i for i, p in enumerate(params) if p.kv is None or p.kv.kind in ("window", "sinks")]
+    assert len(kept) == len(params) - 3
+    outs = [[o.token_ids for o in llm.generate(prompts, params)] for llm in (fast, plain)]
+    assert [outs[0][i] for i in kept] == [outs[1][i] for i in kept]
