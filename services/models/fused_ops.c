@@ -17,7 +17,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -128,23 +127,21 @@ static inline uint16_t to_bf(float f) {
 
 static inline float rbf(float f) { return bf(to_bf(f)); } /* f as bfloat16 holds it */
 
-/* out = w * bf16(x / rms(x)), x already widened */
-static void norm_row_bf16(const float *x, const uint16_t *w, float eps, uint16_t *out, int64_t n) {
-    float total = 0.0f;
-    for (int64_t i = 0; i < n; ++i) total += x[i] * x[i];
+/* out = w * bf16(x / rms(x)) over a row of bfloat16, given the sum of its squares */
+static void norm_row_bf16(const uint16_t *x, float total, const uint16_t *w, float eps,
+                          uint16_t *out, int64_t n) {
     float inv = 1.0f / sqrtf(total / (float)n + eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * rbf(x[i] * inv));
+    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * rbf(bf(x[i]) * inv));
 }
 
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps,
                    uint16_t *out, int64_t out_stride, int64_t rows, int64_t n, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
     for (int64_t r = 0; r < rows; ++r) {
-        float *xf = malloc((size_t)n * sizeof(float));
-        if (!xf) continue; /* the caller checks nothing here: n is a model's width */
-        for (int64_t i = 0; i < n; ++i) xf[i] = bf(x[r * x_stride + i]);
-        norm_row_bf16(xf, w, eps, out + r * out_stride, n);
-        free(xf);
+        const uint16_t *xr = x + r * x_stride;
+        float total = 0.0f;
+        for (int64_t i = 0; i < n; ++i) total += bf(xr[i]) * bf(xr[i]);
+        norm_row_bf16(xr, total, w, eps, out + r * out_stride, n);
     }
 }
 
@@ -153,16 +150,14 @@ void add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, int64_t delta_stride,
                        int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * n > 32768)
     for (int64_t r = 0; r < rows; ++r) {
-        float *xf = malloc((size_t)n * sizeof(float));
-        if (!xf) continue;
         uint16_t *hr = h + r * n;
         const uint16_t *dr = delta + r * delta_stride;
+        float total = 0.0f;
         for (int64_t i = 0; i < n; ++i) {
-            hr[i] = to_bf(bf(hr[i]) + bf(dr[i]));
-            xf[i] = bf(hr[i]);
+            hr[i] = to_bf(bf(hr[i]) + bf(dr[i])); /* the residual stream, rounded as torch's */
+            total += bf(hr[i]) * bf(hr[i]);
         }
-        norm_row_bf16(xf, w, eps, out + r * n, n);
-        free(xf);
+        norm_row_bf16(hr, total, w, eps, out + r * n, n);
     }
 }
 
