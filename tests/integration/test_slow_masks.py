@@ -3,8 +3,9 @@ draft's verification mask) misses the deadline leaves the step, parked, and samp
 grammar work is in; the rest of the batch goes on as if it were not there.
 
 Each test runs a victim batch alone and again beside the slow request: the victims' tokens are
-the same and they finish within one step of the same count; the slow request's tokens equal its
-tokens without the delay, or it fails with a 422 naming its grammar."""
+the same and they finish within two steps of the same count (a constrained victim's own mask may
+miss the deadline once or twice on a loaded machine: it is parked, as any late mask is); the slow
+request's tokens equal its tokens without the delay, or it fails with a 422 naming its grammar."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def victims(chat: list[int]) -> list[tuple[str, object, SamplingParams]]:
 def assert_victims_unharmed(base: tuple, hit: tuple) -> None:
     for name in ("victim", "victim-json"):
         assert hit[0][name].token_ids == base[0][name].token_ids, (name, hit[0][name].warnings)
-        assert abs(hit[1][name] - base[1][name]) <= 1, (name, base[1], hit[1])
+        assert abs(hit[1][name] - base[1][name]) <= 2, (name, base[1], hit[1])
 
 
 def test_a_sleeping_mask_delays_its_own_request_only(llm, chat):
