@@ -121,7 +121,8 @@ class LongQuery:
             and self.page_index is not None
             and self.rows is not None
             and self.collect is None
-            and kv.kernel.reads(kv.keys.dtype, self.host is not None)
+            and self.host is None
+            and kv.kernel.reads(kv.keys.dtype, False)
         )
 
 
@@ -345,13 +346,9 @@ def _kernel_long(
     scaling: float | None,
     variant: variants.LayerVariant,
 ) -> None:
-    """A prompt chunk attends to its cached prefix and itself in place (one kernel row)."""
+    """A prompt chunk attends to its cached prefix and itself in place (one kernel row; no
+    kernel that serves chunks reads parked pages: `LongQuery.in_place`)."""
     assert kv.kernel is not None and lq.page_index is not None and lq.rows is not None
-    host = None
-    table = lq.page_index
-    if lq.host is not None:
-        assert kv.host is not None
-        table, host = lq.host.ids, kv.host.layer(layer)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     starts, num_queries, offsets = lq.rows
     kv.kernel.short(
@@ -359,7 +356,7 @@ def _kernel_long(
         out,
         kv.keys[layer],
         kv.values[layer],
-        table.view(1, -1),
+        lq.page_index.view(1, -1),
         starts,
         num_queries,
         offsets,
@@ -367,7 +364,7 @@ def _kernel_long(
         scale,
         variant.window,
         variant.softcap,
-        host,
+        None,
         lq.end - lq.start,
     )
 

@@ -55,9 +55,8 @@ class _Streams:
     synchronous, and each of these is nothing."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
         self.device = device
-        self.side: Any | None = torch.cuda.Stream(device=device) if self.cuda else None
+        self.side: Any | None = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     def on_side(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()

@@ -31,7 +31,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-HEADERS = (Path(__file__).with_name("simd_exp.h"),)  # included by every source built here
+# included by the sources built here: a change to one rebuilds them all
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("simd_exp.h", "bf16.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p

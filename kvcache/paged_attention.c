@@ -23,30 +23,13 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "bf16.h"     /* bf16_to_f32, f32_to_bf16 */
 #include "simd_exp.h" /* exp16 */
 
 #define BLOCK 16 /* keys scored together */
-
-/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest even
- * (as torch does), NaN kept a NaN */
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* out[j] = q . k[j] for bfloat16 keys */
 static void dots_bf16_plain(const float *q, const uint16_t *k, int64_t n, int64_t dim, float *out) {
@@ -74,37 +57,25 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 
 static void reduce16(__m512 *v, int64_t n, float *out);
 
-static void dots(const float *q, const float *k, int64_t n, int64_t dim, float *out) {
-    if (dim % 16) {
-        dots_plain(q, k, n, dim, out);
-        return;
+/* out[j] = q . k[j] for j < n <= BLOCK, keys of type T widened by LOAD 16 at a time */
+#define DEFINE_DOTS(name, T, LOAD, plain)                                                      \
+    static void name(const float *q, const T *k, int64_t n, int64_t dim, float *out) {         \
+        if (dim % 16) {                                                                        \
+            plain(q, k, n, dim, out);                                                          \
+            return;                                                                            \
+        }                                                                                      \
+        __m512 v[BLOCK];                                                                       \
+        for (int j = 0; j < BLOCK; ++j) {                                                      \
+            __m512 a = _mm512_setzero_ps();                                                    \
+            if (j < n)                                                                         \
+                for (int64_t d = 0; d < dim; d += 16)                                          \
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), LOAD(k + j * dim + d), a);     \
+            v[j] = a;                                                                          \
+        }                                                                                      \
+        reduce16(v, n, out);                                                                   \
     }
-    __m512 v[BLOCK];
-    for (int j = 0; j < BLOCK; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        if (j < n)
-            for (int64_t d = 0; d < dim; d += 16)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + j * dim + d), a);
-        v[j] = a;
-    }
-    reduce16(v, n, out);
-}
-
-static void dots_bf16(const float *q, const uint16_t *k, int64_t n, int64_t dim, float *out) {
-    if (dim % 16) {
-        dots_bf16_plain(q, k, n, dim, out);
-        return;
-    }
-    __m512 v[BLOCK];
-    for (int j = 0; j < BLOCK; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        if (j < n)
-            for (int64_t d = 0; d < dim; d += 16)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16_bf16(k + j * dim + d), a);
-        v[j] = a;
-    }
-    reduce16(v, n, out);
-}
+DEFINE_DOTS(dots, float, _mm512_loadu_ps, dots_plain)
+DEFINE_DOTS(dots_bf16, uint16_t, load16_bf16, dots_bf16_plain)
 
 /* v[0..15] -> out[j] = the sum of v[j]'s lanes, for j < n */
 static void reduce16(__m512 *v, int64_t n, float *out) {

@@ -218,11 +218,12 @@ class ModelRunner:
         if self.model.config._attn_implementation != self._attn:
             # another user of this model object (a peer in a benchmark, a test) switched it back
             self.model.set_attn_implementation(self._attn)
-        extras = bool(scored) or bool(slots and max(slots) >= 0)
-        all_sample = all(c.samples and not c.draft for c in chunks)
-        if self.graphs is not None and self.graphs.why_not(seqs, all_sample, extras) is None:
-            with self._products():
-                return self.graphs.run(seqs, token_ids)
+        if self.graphs is not None:
+            extras = bool(scored) or bool(slots and max(slots) >= 0)
+            all_sample = all(c.samples and not c.draft for c in chunks)
+            if self.graphs.why_not(seqs, all_sample, extras) is None:
+                with self._products():
+                    return self.graphs.run(seqs, token_ids)
         batch, position_ids = build_paged_batch(self.kv, seqs)
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(sample_rows + score_rows, dtype=torch.long, device=self.device)

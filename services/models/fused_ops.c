@@ -17,10 +17,10 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "bf16.h"     /* kvcache/: bf16_to_f32, f32_to_bf16 */
 #include "simd_exp.h" /* kvcache/: exp16 */
 
 static float sum_squares(const float *x, int64_t n) {
@@ -110,28 +110,15 @@ void rope(const float *x, int64_t x_stride, const float *cos, const float *sin, 
 
 /* The same steps over bfloat16 tensors, rounding where transformers' bfloat16 modules round
  * (each torch op's result is bfloat16), the sums in float32 as torch computes them. */
-static inline float bf(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float rbf(float f) { return bf(to_bf(f)); } /* f as bfloat16 holds it */
+/* f as a bfloat16 holds it */
+static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* out = w * bf16(x / rms(x)) over a row of bfloat16, given the sum of its squares */
 static void norm_row_bf16(const uint16_t *x, float total, const uint16_t *w, float eps,
                           uint16_t *out, int64_t n) {
     float inv = 1.0f / sqrtf(total / (float)n + eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * rbf(bf(x[i]) * inv));
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * rbf(bf16_to_f32(x[i]) * inv));
 }
 
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps,
@@ -140,7 +127,7 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t *xr = x + r * x_stride;
         float total = 0.0f;
-        for (int64_t i = 0; i < n; ++i) total += bf(xr[i]) * bf(xr[i]);
+        for (int64_t i = 0; i < n; ++i) total += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
         norm_row_bf16(xr, total, w, eps, out + r * out_stride, n);
     }
 }
@@ -154,8 +141,9 @@ void add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, int64_t delta_stride,
         const uint16_t *dr = delta + r * delta_stride;
         float total = 0.0f;
         for (int64_t i = 0; i < n; ++i) {
-            hr[i] = to_bf(bf(hr[i]) + bf(dr[i])); /* the residual stream, rounded as torch's */
-            total += bf(hr[i]) * bf(hr[i]);
+            /* the residual stream, rounded as torch's */
+            hr[i] = f32_to_bf16(bf16_to_f32(hr[i]) + bf16_to_f32(dr[i]));
+            total += bf16_to_f32(hr[i]) * bf16_to_f32(hr[i]);
         }
         norm_row_bf16(hr, total, w, eps, out + r * n, n);
     }
@@ -168,8 +156,8 @@ void silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *up, i
         const uint16_t *g = gate + r * g_stride, *u = up + r * u_stride;
         uint16_t *o = out + r * n;
         for (int64_t i = 0; i < n; ++i) {
-            float gv = bf(g[i]);
-            o[i] = to_bf(rbf(gv / (1.0f + expf(-gv))) * bf(u[i]));
+            float gv = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(rbf(gv / (1.0f + expf(-gv))) * bf16_to_f32(u[i]));
         }
     }
 }
@@ -184,9 +172,11 @@ void rope_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const u
             const uint16_t *a = x + r * x_stride + h * dim, *b = a + half;
             uint16_t *oa = out + (h * rows + r) * dim, *ob = oa + half;
             for (int64_t i = 0; i < half; ++i) {
-                float av = bf(a[i]), bv = bf(b[i]);
-                oa[i] = to_bf(rbf(av * bf(c[i])) + rbf(-bv * bf(s[i])));
-                ob[i] = to_bf(rbf(bv * bf(c[half + i])) + rbf(av * bf(s[half + i])));
+                float av = bf16_to_f32(a[i]), bv = bf16_to_f32(b[i]);
+                float c1 = bf16_to_f32(c[i]), s1 = bf16_to_f32(s[i]);
+                float c2 = bf16_to_f32(c[half + i]), s2 = bf16_to_f32(s[half + i]);
+                oa[i] = f32_to_bf16(rbf(av * c1) + rbf(-bv * s1));
+                ob[i] = f32_to_bf16(rbf(bv * c2) + rbf(av * s2));
             }
         }
     }
