@@ -116,7 +116,7 @@ def deploy(port: int, batch_rows: int | None, batch_prefill: int | None) -> str:
     wide = TenantLimits(requests_per_minute=1_000_000, max_concurrent=64, max_tokens=512)
     cfg = ServiceConfig(
         redis_url=redis_url,
-        ingress=IngressConfig(max_ongoing_requests=256),
+        ingress=IngressConfig(port=port, max_ongoing_requests=256),
         llm=LLMConfig(
             engine={
                 "kv_cache_memory": 1 << 30,
@@ -241,7 +241,7 @@ def main() -> None:
     local_ray.start(num_cpus=2, log_to_driver=False)
     from ray import serve
 
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.start(proxy_location="Disabled")  # the ingress answers on its own port
     url = deploy(args.port, args.batch_rows, args.batch_prefill)
     out: dict[str, Any] = {"args": vars(args)}
     asyncio.run(probes(url, 4))  # warm-up

@@ -244,17 +244,23 @@ def deploy(port: int) -> str:
 
     from deployments.app import build_app
     from deployments.cli import wait_healthy
-    from deployments.service_config import ServiceConfig, TenantConfig, TenantLimits
+    from deployments.service_config import (
+        IngressConfig,
+        ServiceConfig,
+        TenantConfig,
+        TenantLimits,
+    )
     from deployments.tenants import digest
 
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0").rsplit("/", 1)[0] + "/8"
     redis.Redis.from_url(redis_url).flushdb()
     os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", "bench-verdict-secret-0123456789")
     local_ray.start(log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location="Disabled")  # the ingress answers on its own port
     hostile = TenantLimits(requests_per_minute=1_000_000, max_concurrent=8, max_tokens=256)
     cfg = ServiceConfig(
         redis_url=redis_url,
+        ingress=IngressConfig(port=port),
         tenants=[
             TenantConfig(name="victim", api_key_sha256=[digest(KEYS["victim"])]),
             TenantConfig(name="hostile", api_key_sha256=[digest(KEYS["hostile"])], limits=hostile),

@@ -267,13 +267,15 @@ def deploy(port: int, engine_process: bool = True) -> str:
     os.environ.setdefault("STRUCTSERVE_VERDICT_SECRET", "bench-verdict-secret-0123456789")
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(proxy_location="Disabled")  # the ingress answers on its own port
     if "bench" in serve.status().applications:
         serve.delete("bench")  # a fresh set of replicas for each twin
     wide = TenantLimits(requests_per_minute=1_000_000, max_concurrent=32, max_tokens=512)
     cfg = ServiceConfig(
         redis_url=redis_url,
-        ingress=IngressConfig(num_replicas=2, body_timeout_s=5.0, max_ongoing_requests=256),
+        ingress=IngressConfig(
+            port=port, num_replicas=2, body_timeout_s=5.0, max_ongoing_requests=256
+        ),
         llm=LLMConfig(
             engine={"kv_cache_memory": 512 << 20, "max_num_seqs": 16},
             engine_process=engine_process,

@@ -184,7 +184,7 @@ def deploy(port: int, caching: bool, replicas: int, pool_pages: int, routing: st
     }
     cfg = ServiceConfig(
         redis_url=redis_url,
-        ingress=IngressConfig(max_ongoing_requests=256),
+        ingress=IngressConfig(port=port, max_ongoing_requests=256),
         llm=LLMConfig(num_replicas=replicas, engine=engine, routing=RoutingConfig(policy=routing)),
         tenants=[
             TenantConfig(name=t, api_key_sha256=[digest(k)], limits=wide) for t, k in KEYS.items()
@@ -232,7 +232,7 @@ def main() -> None:
     from ray import serve
 
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.start(proxy_location="Disabled")  # the ingress answers on its own port
     out: dict[str, Any] = {"requests": args.requests, "concurrency": args.concurrency}
     parts = args.parts.split(",")
     if "1" in parts:

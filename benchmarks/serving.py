@@ -16,6 +16,11 @@ output) is `benchmarks/tool_calls.py`, on the same service set-up.
     .venv/bin/python benchmarks/serving.py [--levels 1,8,32] [--max-tokens 32]
     .venv/bin/python benchmarks/serving.py --telemetry both --levels 1,8 --no-engine
     .venv/bin/python benchmarks/serving.py --engine-process both   # the two twins, one run
+    .venv/bin/python benchmarks/serving.py --listener both   # own listener and Ray's proxy
+
+`--listener`: how HTTP reaches the ingress (ingress.listener): `own` (the default: the ingress
+replica answers on the port), `proxy` (Ray Serve's proxy, the plain twin), `both` (one deployment
+answering on both: the proxy one port up; each level measured on each in turn).
 """
 
 from __future__ import annotations
@@ -169,25 +174,37 @@ def summary(lat: Latencies, wall: float, n: int, statuses: list[int]) -> dict:
     }
 
 
-def start_service(port: int) -> None:
+def start_service(port: int, listener: str = "own") -> None:
+    """Ray and Serve; Ray's proxy only where `listener` asks for it (`both`: one port up)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["STRUCTSERVE_API_KEY"] = KEY
     import ray
     from ray import serve
 
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if listener == "own":
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": "127.0.0.1", "port": port + (listener == "both")})
 
 
-def deploy(telemetry: bool, engine_process: bool = True, threads: int | None = None) -> None:
+def deploy(
+    telemetry: bool,
+    engine_process: bool = True,
+    threads: int | None = None,
+    port: int = 8321,
+    listener: str = "own",
+) -> None:
     """(Re)deploys the service, with telemetry on (sampling every request) or off, the engine
     core in a process of its own or on a replica thread, on `threads` torch threads (None: the
-    CPUs the replica may use)."""
+    CPUs the replica may use), answering on `port` (its own listener, unless `listener` is
+    "proxy")."""
     from ray import serve
 
     from deployments.app import build_app
     from deployments.service_config import (
         GrammarServiceConfig,
+        IngressConfig,
         LLMConfig,
         ServiceConfig,
         TelemetryConfig,
@@ -201,6 +218,7 @@ def deploy(telemetry: bool, engine_process: bool = True, threads: int | None = N
         ),
         grammar=GrammarServiceConfig(workers=1),
         telemetry=TelemetryConfig(enabled=telemetry, sampling_ratio=1.0),
+        ingress=IngressConfig(port=port, listener="proxy" if listener == "proxy" else "own"),
     )
     if "bench" in serve.status().applications:
         serve.delete("bench")  # a fresh set of replicas: no state carried between modes
@@ -233,7 +251,7 @@ def main() -> None:
         default="on",
         help="the service's traces and metrics; both: measure each, print on/off",
     )
-    p.add_argument("--repeats", type=int, default=1, help="with --telemetry both: rounds")
+    p.add_argument("--repeats", type=int, default=1, help="rounds (with a both)")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine peer")
     p.add_argument(
         "--engine-process",
@@ -242,6 +260,7 @@ def main() -> None:
         help="llm.engine_process: the engine core in its own process; both: each twin in turn",
     )
     p.add_argument("--engine-threads", type=int, help="engine.num_threads (default: every CPU)")
+    p.add_argument("--listener", choices=["own", "proxy", "both"], default="own")
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     url = args.url or f"http://127.0.0.1:{args.port}"
@@ -249,16 +268,26 @@ def main() -> None:
     modes = ["on", "off"] if args.telemetry == "both" else [args.telemetry]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     cores: list[dict] = []  # with --engine-process both: the core process twin's runs
+    proxied: list[dict] = []  # with --listener both: through Ray's proxy
     if args.url:  # someone else's service: its own telemetry setting
         runs[modes[0]].append(http_levels(url, levels, plan, args.max_tokens, "url"))
     else:
-        start_service(args.port)
+        start_service(args.port, args.listener)
         twins = ["off", "on"] if args.engine_process == "both" else [args.engine_process]
-        for _ in range(args.repeats if len(modes) > 1 else 1):
+        rounds = args.repeats if len(modes) > 1 or args.listener == "both" else 1
+        for i in range(rounds):
             for mode in modes:
                 for twin in twins:
-                    deploy(mode == "on", twin == "on", args.engine_threads)
+                    on = (mode == "on", twin == "on")
+                    deploy(*on, args.engine_threads, args.port, args.listener)
                     tag = mode if len(twins) == 1 else f"core={twin}"
+                    if args.listener == "both":  # A B B A
+                        proxy_url = f"http://127.0.0.1:{args.port + 1}"
+                        for way in ("own", "proxy") if i % 2 == 0 else ("proxy", "own"):
+                            at = url if way == "own" else proxy_url
+                            result = http_levels(at, levels, plan, args.max_tokens, way)
+                            (runs[mode] if way == "own" else proxied).append(result)
+                        continue
                     result = http_levels(url, levels, plan, args.max_tokens, tag)
                     (runs[mode] if twin == twins[0] else cores).append(result)
         import ray
@@ -289,6 +318,9 @@ def main() -> None:
     engine = asyncio.run(offline())
     llm.shutdown()
     report(levels, http, engine, args)
+    if proxied:
+        print("\nthrough Ray Serve's proxy (ingress.listener=proxy):")
+        report(levels, {c: best(r[c] for r in proxied) for c in levels}, engine, args, "_proxy")
     if cores:
         print("\nthe engine core in its own process (llm.engine_process=true):")
         report(levels, {c: best(r[c] for r in cores) for c in levels}, engine, args, "_core")

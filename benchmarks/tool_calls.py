@@ -102,7 +102,7 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     url = f"http://127.0.0.1:{args.port}"
     start_service(args.port)
-    deploy(telemetry=False)
+    deploy(telemetry=False, port=args.port)
     from deployments.cli import wait_healthy
 
     if not wait_healthy(url):

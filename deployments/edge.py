@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.answers import ApiError
+from deployments.answers import ApiError, error_response
 
 # Ray Serve's proxy reads these per request: a client could lift the request timeout or keep its
 # generation running after it hangs up (an abort storm that costs nothing to send). The proxy has
@@ -159,3 +162,24 @@ class ReleasingStream(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             finally:
                 self._backstop()
+
+
+def openai_errors(app: FastAPI) -> None:
+    """Every error in the OpenAI shape: ours, unknown routes and methods (404, 405), and bodies
+    FastAPI refuses itself (400 naming the first field)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(ApiError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid body"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return error_response(ApiError(400, message, param))

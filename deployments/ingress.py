@@ -18,11 +18,9 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import (
     adapter_api,
@@ -35,10 +33,11 @@ from deployments import (
     tools,
 )
 from deployments.adapter_api import AdapterRef, AdapterRegistration, Adapters
-from deployments.answers import ApiError, cancel, collect, engine_refusal, error_response, sse
-from deployments.edge import ReleasingStream, check_metrics_token
+from deployments.answers import ApiError, cancel, collect, engine_refusal, sse
+from deployments.edge import ReleasingStream, check_metrics_token, openai_errors
 from deployments.gate import Gate
 from deployments.grammar_api import GrammarRegistration
+from deployments.listener import start as listen
 from deployments.observe import RequestObs, observe
 from deployments.protocol import (
     BadRequest,
@@ -66,26 +65,7 @@ log = logging.getLogger(__name__)
 PREFIXES = {"chat": "chatcmpl", "completions": "cmpl", "responses": "resp"}  # response ids
 
 app = FastAPI(title="structserve", docs_url=None, redoc_url=None)
-
-
-@app.exception_handler(ApiError)
-async def _api_error(_request: Request, err: ApiError) -> JSONResponse:
-    return error_response(err)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
-    """Unknown routes (404) and methods (405), in the OpenAI shape too."""
-    return error_response(ApiError(err.status_code, str(err.detail)))
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
-    first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid body"}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return error_response(ApiError(400, message, param))
+openai_errors(app)
 
 
 openapi.install(
@@ -132,6 +112,14 @@ class Ingress:
         self.runner = runner  # deployed with the app; it takes batches from Redis
         self.metrics_token = settings.metrics_token()
         freeze_startup_objects(self.config.llm.engine.freeze_gc)  # as the replicas do
+        ing = self.config.ingress
+        self.listener = listen(app, ing.host, ing.port, ing.listener)  # None: Ray's proxy
+
+    async def __del__(self) -> None:
+        """Ray awaits it when it stops the replica (Ray's proxy would drain the answers it
+        tracks): the own listener stops taking connections, the answers in flight finish."""
+        if (own := getattr(self, "listener", None)) is not None:
+            await own.close()
 
     # -- plumbing ------------------------------------------------------------------------
 

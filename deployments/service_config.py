@@ -36,6 +36,10 @@ class Backpressure(_Strict):
 class IngressConfig(Backpressure):
     port: int = Field(default=8000, ge=1, le=65535)
     host: str = "127.0.0.1"
+    # "own": the ingress replicas answer HTTP on host:port themselves (deployments/listener.py:
+    # one process hop less per chunk); "proxy": Ray Serve's proxy does (the plain twin, and the
+    # Helm chart's way: KubeRay's Service targets the proxy). One application per own port.
+    listener: Literal["own", "proxy"] = "own"
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
     # a body still arriving after this is a 408: a slow sender holds one of its tenant's slots
     # (taken before the body is read) for this long at most

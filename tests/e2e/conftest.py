@@ -81,16 +81,19 @@ def adapter_store(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(proxy, otlp, adapter_store):
-    """The main application: two ingress replicas (tenant limits must hold for the service) and
-    two grammar-service replicas (so `/metrics` must add up several), spans exported to the
-    `otlp` receiver; LoRA on (two adapters a step), tenants' adapters from `adapter_store`."""
+    """The main application, on its own listener (the default: both ingress replicas answer on one
+    port; Ray's proxy routes "/" to it too, the plain twin): two ingress replicas (tenant limits
+    must hold for the service) and two grammar-service replicas (so `/metrics` must add up
+    several), spans exported to the `otlp` receiver; LoRA on (two adapters a step), tenants'
+    adapters from `adapter_store`."""
     import dataclasses
 
     import redis
 
     from deployments.app import build_app
 
-    base, serve = proxy
+    _, serve = proxy
+    own_port = free_port()
     redis.Redis.from_url(redis_url(11)).flushdb()
     llm = small_config().llm
     engine = dataclasses.replace(llm.engine, enable_lora=True, max_loras=2, max_cpu_loras=4)
@@ -102,7 +105,7 @@ def server(proxy, otlp, adapter_store):
             store=str(adapter_store.parent / "files"), caps=FileCaps(max_file_bytes=1 << 20)
         ),
         redis_url=redis_url(11),
-        ingress=IngressConfig(num_replicas=2, body_timeout_s=3.0),
+        ingress=IngressConfig(num_replicas=2, body_timeout_s=3.0, port=own_port),
         # two workers each: one is kept for tenants with no compile running
         grammar=GrammarServiceConfig(workers=2, deadline_s=5.0, num_replicas=2),
         # tenant labels on: the observability tests follow each tenant's series (the default is off)
@@ -136,5 +139,6 @@ def server(proxy, otlp, adapter_store):
         ],
     )
     serve.run(build_app(cfg), name="structserve", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{own_port}"
     wait_healthy(base)
     return base

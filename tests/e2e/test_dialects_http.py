@@ -47,7 +47,7 @@ def r1(proxy, tmp_path_factory, loaded_model):
         model=str(folder),
         served_model_name=MODEL,
         redis_url=redis_url(12),
-        ingress=IngressConfig(num_replicas=1),
+        ingress=IngressConfig(num_replicas=1, listener="proxy"),  # beside the main app
         grammar=GrammarServiceConfig(workers=1, deadline_s=5.0),
         tenants=[TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)])],
     )

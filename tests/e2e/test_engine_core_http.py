@@ -62,7 +62,7 @@ def apps(proxy, server):
             max_ongoing_requests=64,
             max_queued_requests=64,
         ),
-        ingress=IngressConfig(num_replicas=1),
+        ingress=IngressConfig(num_replicas=1, listener="proxy"),  # beside the main app
         tenants=[TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)])],
     )
     serve.run(build_app(cfg), name="core", route_prefix="/core", blocking=False)

@@ -13,7 +13,7 @@ import pytest
 import requests
 from e2e_support import KEY_A, small_config, wait_healthy
 
-from deployments.service_config import BatchesConfig, FilesConfig, TenantConfig
+from deployments.service_config import BatchesConfig, FilesConfig, IngressConfig, TenantConfig
 from deployments.tenants import digest
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,6 +35,7 @@ def faulty(proxy, private_redis, tmp_path_factory):
         tenants=[TenantConfig(name="tenant-a", api_key_sha256=[digest(KEY_A)])],
         batches=BatchesConfig(concurrency=4, lease_s=3),
         files=FilesConfig(store=str(tmp_path_factory.mktemp("faulty-files"))),
+        ingress=IngressConfig(listener="proxy"),  # beside the main app, on Ray's proxy
     )
     serve.run(build_app(cfg), name="faulty", route_prefix="/faulty", blocking=False)
     wait_healthy(f"{base}/faulty")

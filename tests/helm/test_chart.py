@@ -35,7 +35,13 @@ KUBE_VERSION = "1.33.0"
 VALUE_SETS = {"default": [], "ci": [CHART / "ci-values.yaml"]}
 
 # ServiceConfig fields the chart fills in itself; values.schema.json refuses them in serviceConfig.
-CHART_OWNED = {("redis_url",), ("api_keys_file",), ("ingress", "port"), ("ingress", "host")}
+CHART_OWNED = {
+    ("redis_url",),
+    ("api_keys_file",),
+    ("ingress", "port"),
+    ("ingress", "host"),
+    ("ingress", "listener"),
+}
 CRD_KINDS = {"RayService", "ServiceMonitor"}
 
 Doc = dict[str, Any]
@@ -130,7 +136,7 @@ def service_config_values_schema() -> Doc:
     schema = inline(full, ())
     schema["description"] = (
         "deployments.service_config.ServiceConfig, passed as the Serve application's args; "
-        "redis_url, api_keys_file, ingress.port and ingress.host are set by the chart."
+        "redis_url, api_keys_file and ingress.port, host and listener are set by the chart."
     )
     return schema
 
@@ -405,6 +411,7 @@ def test_serve_config_builds_the_application(values: str) -> None:
     config = ServiceConfig.model_validate(args)
     assert config.redis_url is None  # the pods' REDIS_URL holds the password
     assert config.ingress.host == "0.0.0.0"
+    assert config.ingress.listener == "proxy"  # KubeRay's Service targets Ray's proxy
 
     from deployments.app import build_app
 

@@ -84,7 +84,8 @@ is empty under `helm template`), else `fallback`, else random. Returns base64. *
 {{- end -}}
 
 {{/* The args of the Serve application: serviceConfig plus what the chart owns. redis_url stays
-null so the service reads REDIS_URL, which the pods get from a Secret. */}}
+null so the service reads REDIS_URL, which the pods get from a Secret. The ingress answers through
+Ray's proxy (listener "proxy"): KubeRay's serve Service targets the proxy on every node. */}}
 {{- define "structserve.serviceArgs" -}}
 {{- $args := deepCopy .Values.serviceConfig -}}
 {{- $_ := set $args "redis_url" nil -}}
@@ -92,6 +93,7 @@ null so the service reads REDIS_URL, which the pods get from a Secret. */}}
 {{- $ingress := get $args "ingress" | default dict -}}
 {{- $_ := set $ingress "port" (int .Values.serve.port) -}}
 {{- $_ := set $ingress "host" "0.0.0.0" -}}
+{{- $_ := set $ingress "listener" "proxy" -}}
 {{- $_ := set $args "ingress" $ingress -}}
 {{- include "structserve.storeArgs" (list $args .Values.adapterStore "adapters" "adapterStore") -}}
 {{- include "structserve.storeArgs" (list $args .Values.fileStore "files" "fileStore") -}}
