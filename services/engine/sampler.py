@@ -91,10 +91,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         logits = logits.float()
-        ok = usable_rows(logits)
-        # a stand-in for unusable rows, so that nothing below raises for the whole batch
-        logits = torch.where(ok[:, None], logits, torch.zeros_like(logits))
-        out = logits.argmax(dim=-1)
+        # one pass for both: the greedy token (the first of equal maxima, as argmax) and each
+        # row's maximum, which is NaN if any entry is, +inf if any is, -inf if all are
+        best, out = logits.max(dim=-1)
+        ok = torch.isfinite(best)
         failed: dict[int, str] = {}
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
@@ -132,7 +132,10 @@ class Sampler:
         ok: torch.Tensor,
         failed: dict[int, str],
     ) -> None:
-        probs, drawable = _probabilities(logits[rows], [requests[i] for i in rows])
+        picked = logits[rows]
+        # a stand-in for unusable rows, so that nothing below raises for the whole draw
+        picked = torch.where(ok[rows][:, None], picked, torch.zeros_like(picked))
+        probs, drawable = _probabilities(picked, [requests[i] for i in rows])
         # belt and braces: a row the cuts left unsamplable fails alone, never the whole draw
         probs = torch.where(drawable[:, None], probs, torch.ones_like(probs))
         ok[rows] &= drawable
