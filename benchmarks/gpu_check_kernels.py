@@ -105,6 +105,7 @@ def decode_graphs(
         max_num_seqs=biggest,
         grammar_workers=0,
         enable_prefix_caching=False,
+        speculative=None,  # one token a row a step: a drafted step is not a graph's
     )
     llms = {mode: LLM(**common, decode_graphs=mode) for mode in ("off", graphs)}
     gen = torch.Generator().manual_seed(2)

@@ -86,6 +86,7 @@ class OwnListener:
     replica, deployments/app.py)."""
 
     def __init__(self, app: Any, host: str, port: int, grace_s: int = 25) -> None:
+        loop = asyncio.get_running_loop()  # the replica's: its constructor runs on it
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -104,7 +105,7 @@ class OwnListener:
         self.server = uvicorn.Server(config)
         # signals stay Ray's: uvicorn installs handlers only on the main thread, and a replica's
         # user code runs on a thread of its own
-        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
+        self.task = loop.create_task(self.server.serve(sockets=[sock]))
         log.info("ingress listening on %s:%d", host, self.port)
 
     async def close(self) -> None:

@@ -22,7 +22,9 @@ PROMPTS = [
 
 
 def generate(loaded_model, mode: str, quest: bool = False) -> tuple[list[list[int]], LLM]:  # type: ignore[no-untyped-def]
-    llm = LLM(loaded=loaded_model, kv_cache_memory=32 << 20, grammar_workers=0, decode_graphs=mode)
+    # one token a row a step (a drafted step is not a graph's): every decode step qualifies
+    kw = {"kv_cache_memory": 32 << 20, "grammar_workers": 0, "speculative": None}
+    llm = LLM(loaded=loaded_model, decode_graphs=mode, **kw)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 6, 9, 12)]
     schema = StructuredOutput(json_schema=PERSON)
     chat = llm.engine.apply_chat_template([{"role": "user", "content": "A person as JSON."}])

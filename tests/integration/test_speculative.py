@@ -66,7 +66,7 @@ def batch(llm: LLM) -> tuple[list, list[SamplingParams]]:
 
 @pytest.fixture(scope="module")
 def plain(loaded_model) -> LLM:
-    return LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
+    return LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0, speculative=None)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,18 @@ def test_greedy_tokens_equal_plain_decoding_in_a_mixed_batch(plain, spec):
     assert sum(kept) > 0 and spec.engine.speculator.accepted == sum(kept)
     alloc = spec.engine.runner.kv.allocator
     assert alloc.num_free == alloc.num_pages  # pages of rejected drafts came back too
+
+
+def test_the_default_drafts_and_keeps_the_plain_tokens(loaded_model, plain):
+    """Speculation is on by default (adaptive n-gram drafts, off above 32 running requests):
+    the plain twin's greedy tokens, fewer forward passes."""
+    prompts, params = batch(plain)
+    want = plain.generate(prompts, params)
+    default = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
+    assert default.engine.speculator is not None
+    got = default.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_accepted_draft_tokens for o in got) > 0
 
 
 def test_a_crowded_batch_decodes_plainly(loaded_model, plain):

@@ -28,6 +28,7 @@ from deployments.grammar_service import GrammarService
 from deployments.replica import LLMReplica
 from deployments.service_config import (
     GrammarServiceConfig,
+    IngressConfig,
     LLMConfig,
     ServiceConfig,
     TenantConfig,
@@ -83,6 +84,7 @@ def stack(tel):
             engine_process=False,
         ),
         grammar=GrammarServiceConfig(workers=1, deadline_s=5.0),
+        ingress=IngressConfig(listener="proxy"),  # no listener: the tests call the routes
     )
     plain = cfg.model_dump(mode="json")
     grammar = GrammarService(plain)
