@@ -289,17 +289,19 @@ class SandboxConfig:
 class SpeculativeConfig:
     """`LLM(speculative={...})`, in vLLM's keys (services/engine/speculative.py)."""
 
-    # unset keys (the engine's default): measured with benchmarks/vs_vllm.py on a 2-core CPU,
-    # SmolLM2 fp32, A B B A against speculation off: 32 mixed requests +21%, 22 JSON-schema
-    # requests +16%, one request about even; 4 draft tokens beat 8 at batch 1 (23 vs 29 ms a token)
+    # unset keys (the engine's default): measured on a 2-core CPU, SmolLM2 fp32. In-process
+    # (benchmarks/vs_vllm.py, A B B A against speculation off): 32 mixed requests +21%, 22
+    # JSON-schema requests +16%, one request about even; 4 draft tokens beat 8 at batch 1 (23 vs
+    # 29 ms a token). Over HTTP (vs_vllm_http.py), chat-like text at 32 streams lost a fifth with
+    # drafts on while JSON at 1 and 8 streams gained (0.52 -> 0.78, 1.42 -> 2.34 requests/s)
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # no drafts in a step with more running requests than this: a large batch already fills the
-    # device, and the draft positions would cost more compute than the passes they save (32: the
-    # largest batch measured to gain; None: never stops)
-    disable_by_batch_size: int | None = 32
+    # device, and the draft positions would cost more compute than the passes they save (8: the
+    # largest batch that gained in every workload measured; None: never stops)
+    disable_by_batch_size: int | None = 8
     # "adaptive": a request's next draft is twice its last when that was kept whole, else one
     # more than the tokens kept (a miss costs one position, a copied span grows to the cap);
     # "fixed" (the plain twin) always drafts up to num_speculative_tokens

@@ -93,7 +93,7 @@ def test_greedy_tokens_equal_plain_decoding_in_a_mixed_batch(plain, spec):
 
 
 def test_the_default_drafts_and_keeps_the_plain_tokens(loaded_model, plain):
-    """Speculation is on by default (adaptive n-gram drafts, off above 32 running requests):
+    """Speculation is on by default (adaptive n-gram drafts, off above 8 running requests):
     the plain twin's greedy tokens, fewer forward passes."""
     prompts, params = batch(plain)
     want = plain.generate(prompts, params)
