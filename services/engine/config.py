@@ -289,7 +289,7 @@ class SandboxConfig:
 class SpeculativeConfig:
     """`LLM(speculative={...})`, in vLLM's keys (services/engine/speculative.py)."""
 
-    # unset keys (the engine's default): measured on a 2-core CPU, SmolLM2 fp32. In-process
+    # unset keys (what `speculative={}` takes): measured on a 2-core CPU, SmolLM2 fp32. In-process
     # (benchmarks/vs_vllm.py, A B B A against speculation off): 32 mixed requests +21%, 22
     # JSON-schema requests +16%, one request about even; 4 draft tokens beat 8 at batch 1 (23 vs
     # 29 ms a token). Over HTTP (vs_vllm_http.py), chat-like text at 32 streams lost a fifth with
