@@ -86,6 +86,14 @@ def _readers(body: Any, firsts: list[Delta]) -> list[tools.AnswerReader | None]:
     ]
 
 
+def ends_at_repeat(reader: tools.AnswerReader | None, last: Delta) -> bool:
+    """Whether a repeated tool call (tools.AnswerReader) ends the choice at `last`: always once
+    the reader saw one, unless the choice already failed. The engine may have run past the
+    repeat to `max_tokens` in the same delta (several tokens a step with drafts, or a slow
+    reader): the answer still ended at the repeat, whole, so its reason must not read `length`."""
+    return reader is not None and reader.repeated and last.finish_reason != "error"
+
+
 def repeated_end(last: Delta) -> Delta:
     """The end of a choice cut short after a repeated tool call (tools.AnswerReader)."""
     why = "tool_calls: the model repeated an earlier call; the answer ended there"
@@ -158,8 +166,9 @@ async def collect(
         while True:
             if reader is not None:
                 reader.feed(last.delta_text, last.num_delta_tokens)
-                if reader.repeated and not last.finished:
-                    cancel([stream])
+                if ends_at_repeat(reader, last):
+                    if not last.finished:
+                        cancel([stream])
                     last = repeated_end(last)
             if last.finished:
                 break
@@ -275,7 +284,7 @@ async def sse(
             offsets[index] += len(text)
             return delta, out
         parts = reader.feed(text, delta.num_delta_tokens)
-        if reader.repeated and not delta.finished:
+        if ends_at_repeat(reader, delta):
             delta = repeated_end(delta)
         parts += reader.finish() if delta.finished else []
         if delta.finished:

@@ -11,7 +11,7 @@ each field defined once, in its group; `config.scheduling` and the like are the 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -341,11 +341,11 @@ class SpeculativeConfig:
 @dataclass(frozen=True, kw_only=True)
 class SpeculationConfig:
     # Speculative decoding (services/engine/speculative.py), vLLM's keys: {"method": "ngram",
-    # "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}; {} takes
-    # SpeculativeConfig's measured defaults. None (the default for now): the plain twin, one
-    # token per request per forward pass. Not on by default yet: over HTTP a required tool call
-    # ended at its closing tag without drafts and went on with them (issue 45's note)
-    speculative: dict[str, Any] | None = None
+    # "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}; on by
+    # default ({}: SpeculativeConfig's measured defaults). None: the plain twin, one token per
+    # request per forward pass. Greedy tokens are the plain twin's by construction, sampled ones
+    # follow the same distribution (sampler.accept_or_resample).
+    speculative: dict[str, Any] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.speculative_config()  # a bad key or value fails at start-up

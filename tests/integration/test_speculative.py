@@ -92,14 +92,14 @@ def test_greedy_tokens_equal_plain_decoding_in_a_mixed_batch(plain, spec):
     assert alloc.num_free == alloc.num_pages  # pages of rejected drafts came back too
 
 
-def test_the_measured_defaults_keep_the_plain_tokens(loaded_model, plain):
-    """`speculative={}` (adaptive n-gram drafts of up to 4 tokens, none above 8 running
-    requests): the plain twin's greedy tokens, with drafts kept."""
+def test_the_default_drafts_and_keeps_the_plain_tokens(loaded_model, plain):
+    """Speculation is on by default (adaptive n-gram drafts of up to 4 tokens, none above 8
+    running requests): the plain twin's greedy tokens, with drafts kept."""
     prompts, params = batch(plain)
     want = plain.generate(prompts, params)
-    spec = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0, speculative={})
-    assert spec.engine.speculator is not None
-    got = spec.generate(prompts, params)
+    default = LLM(loaded=loaded_model, kv_cache_memory=64 << 20, grammar_workers=0)
+    assert default.engine.speculator is not None
+    got = default.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.num_accepted_draft_tokens for o in got) > 0
 

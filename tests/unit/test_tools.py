@@ -161,6 +161,63 @@ def test_a_repeated_call_ends_the_answer_and_is_dropped():
     assert not other.repeated and len(other.calls) == 2
 
 
+class _Stream:
+    """A replica's stream of one choice (the deltas after the first)."""
+
+    def __init__(self, *deltas) -> None:
+        self.deltas, self.cancelled = list(deltas), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return self.deltas.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_repeat_in_the_delta_that_reached_max_tokens_still_ends_the_answer(streamed):
+    """The engine can run past a repeated call to max_tokens within one delta (drafts give
+    several tokens a step): the answer ended at the repeat, whole, so it reads `tool_calls`,
+    not `length` (which a client's `parse` refuses)."""
+    import asyncio
+
+    from deployments import answers
+    from deployments.observe import RequestObs
+    from deployments.wire import Delta, Split
+    from services.telemetry import Telemetry, TelemetrySettings
+
+    tel = Telemetry(TelemetrySettings(), "test")
+    req = body(tool_choice="required", stream=streamed)
+    first = Delta(answer=Split(tag_for("hermes", TOOLS, "required", True), NAMES, None))
+    text = WEATHER + "\n" + WEATHER + "\n"
+    end = Delta(text, 40, True, "length", completion_tokens=40)
+
+    async def run():
+        obs = RequestObs(tel, "chat", {})
+        if not streamed:
+            return await answers.collect(obs, req, "r", True, [_Stream(end)], [first])
+
+        async def release(_tokens: int) -> None:
+            return None
+
+        events = answers.sse(obs, req, "r", True, [_Stream(end)], [first], release)
+        return [json.loads(e[6:]) async for e in events if e.startswith("data: {")]
+
+    out = asyncio.run(run())
+    tel.shutdown()
+    if streamed:
+        deltas = [c for e in out for c in e["choices"]]
+        calls = [t for c in deltas for t in c["delta"].get("tool_calls", [])]
+        reasons = [c["finish_reason"] for c in deltas if c.get("finish_reason")]
+    else:
+        calls = out["choices"][0]["message"]["tool_calls"]
+        reasons = [out["choices"][0]["finish_reason"]]
+    assert len(calls) == 1 and reasons == ["tool_calls"]
+
+
 def test_a_template_without_tools_gets_them_in_a_system_prompt(tokenizer):
     assert not tool_format.template_takes_tools(tokenizer)  # SmolLM2's
     history = [
