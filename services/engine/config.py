@@ -27,13 +27,27 @@ DECODE_GRAPHS = ("auto", "off", "uncaptured")  # see RunnerConfig.decode_graphs
 DRAFT_LENGTHS = ("fixed", "adaptive")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (Linux's flags; elsewhere: no). Without
+    it oneDNN emulates bf16 and a bf16 model runs slower than in float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunnerConfig:
     """The model and the device it runs on, with the forward's fast paths."""
 
     model: str | None = None  # a local HF folder; None: the default SmolLM2 package
     device: str = "auto"  # "auto": cuda when present, else cpu
-    dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
+    # "auto": bfloat16 on cuda; on a cpu, bfloat16 for a model stored in 16 bits when the cpu
+    # multiplies bfloat16 natively (AVX-512 BF16 or AMX, as vLLM's CPU build takes it), else
+    # float32 (a float32 model stays float32: its outputs do not move)
+    dtype: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default
     # On CPU, linear layers through oneDNN with their weights packed once into its blocked
@@ -87,10 +101,14 @@ class RunnerConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+    def torch_dtype(self, device: torch.device, stored: torch.dtype | None = None) -> torch.dtype:
+        """The dtype to run in; `stored`: the model's own (its config's), when known."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16
+        half = stored in (torch.bfloat16, torch.float16)
+        return torch.bfloat16 if half and cpu_has_native_bf16() else torch.float32
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from services.engine.request import Request
 from services.engine.scheduler import ScheduledChunk
 from services.lora.layers import LoRASlots, lora_tokens
 from services.models import LoadedModel, fused, load_model, packed
+from services.models.loader import folder_dtype, stored_dtype
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def attention_kernel(name: str, device: torch.device, dtype: torch.dtype) -> Att
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
+        stored = stored_dtype(loaded.model.config) if loaded else folder_dtype(config.model)
+        self.dtype = config.torch_dtype(self.device, stored)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self._attn = attn = attention.register()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import tempfile
@@ -106,6 +107,22 @@ def _converted(gguf: Path, name: str) -> Path:
             if not (out_dir / "config.json").is_file():  # lost a race to another process: fine
                 raise
     return out_dir
+
+
+def stored_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a model's weights are stored in, as its transformers config (an object or
+    config.json's dict) says; None: not said."""
+    read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    value = read("dtype") or read("torch_dtype")
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def folder_dtype(model: str | os.PathLike[str] | None) -> torch.dtype | None:
+    """`stored_dtype` of the folder `model` resolves to, from its config.json alone."""
+    _, path = resolve_model_dir(model)
+    return stored_dtype(json.loads((path / "config.json").read_text()))
 
 
 def load_model(
