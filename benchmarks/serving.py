@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.measure import pct  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KEY = "sk-bench"
+KEY = os.environ.get("STRUCTSERVE_API_KEY", "sk-bench")  # --url: that service's key
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 16}, "year": {"type": "integer"}},
