@@ -91,7 +91,16 @@ class OwnListener:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                exc.errno,
+                f"ingress.port: cannot listen on {host}:{port} ({exc.strerror}): another "
+                "server holds it; stop it, or choose another port (`structserve serve --port`, "
+                "or ingress.port in the config)",
+            ) from exc
         sock.listen(2048)
         sock.setblocking(False)
         self.port: int = sock.getsockname()[1]

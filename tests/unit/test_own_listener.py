@@ -8,6 +8,7 @@ import asyncio
 import socket
 
 import aiohttp
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -101,5 +102,17 @@ def test_replicas_share_the_port_and_closing_finishes_answers_in_flight() -> Non
             assert r.status == 200
         with socket.socket() as probe:  # nobody listens any more
             assert probe.connect_ex(("127.0.0.1", first.port)) != 0
+
+    asyncio.run(run())
+
+
+def test_a_port_another_server_holds_is_refused_naming_the_setting() -> None:
+    async def run() -> None:
+        with socket.socket() as other:  # a server that does not share its port
+            other.bind(("127.0.0.1", 0))
+            other.listen(1)
+            port = other.getsockname()[1]
+            with pytest.raises(OSError, match=rf"ingress.port: cannot listen on 127.0.0.1:{port}"):
+                OwnListener(make_app(events()), "127.0.0.1", port)
 
     asyncio.run(run())
