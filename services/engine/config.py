@@ -54,6 +54,10 @@ class RunnerConfig:
     # layout (services/models/packed.py): faster products. False: the plain twin
     # (`F.linear`). No effect on CUDA.
     packed_weights: bool = True
+    # With packed weights, products of one or two rows (one request's decode step) through a C
+    # loop that streams the weights as stored (services/models/small_products.c): oneDNN reads
+    # them at about half the memory's rate there. False: the plain twin, oneDNN at every size.
+    small_products: bool = True
     # Attention reads the KV pages where they lie instead of gathering them into a workspace
     # for SDPA: on CPU (float32, bfloat16) decode rows through a C kernel
     # (kvcache/paged_attention.c, built on first use), on CUDA decode rows, prompt chunks over

@@ -91,7 +91,15 @@ class ModelRunner:
 
         with packed.sibling_inputs(self.model) as siblings:
             self.attention = self._probe()
-        self.packed = config.packed_weights and packed.pack_linears(self.model, siblings) > 0
+        # the small products are given whenever they build (engines may share the model); each
+        # engine's forward chooses them (`_products`)
+        small = (
+            packed.small_products(settings.cache_dir() / "kernels")
+            if config.packed_weights and self.device.type == "cpu"
+            else None
+        )
+        self.packed = config.packed_weights and packed.pack_linears(self.model, siblings, small) > 0
+        self.small_products = config.small_products and small is not None
         self.rotate = rope_rotation(self.model)
         self.fused: fused.FusedForward | None = None
         if config.fused_forward:
@@ -240,7 +248,9 @@ class ModelRunner:
         return logits[: len(sample_rows)]
 
     def _products(self) -> contextlib.AbstractContextManager[None]:
-        return packed.packed_products() if self.packed else contextlib.nullcontext()
+        if not self.packed:
+            return contextlib.nullcontext()
+        return packed.packed_products(small=self.small_products)
 
     @torch.inference_mode()
     def compact(self, req: Request) -> list[int]:

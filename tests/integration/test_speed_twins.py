@@ -101,3 +101,52 @@ def test_bfloat16_fast_paths_equal_their_plain_twins(bf16_model, twin):
     assert len(kept) == len(params) - 3
     outs = [[o.token_ids for o in llm.generate(prompts, params)] for llm in (fast, plain)]
     assert [outs[0][i] for i in kept] == [outs[1][i] for i in kept]
+
+
+def _near_tie_or_equal(a: list, b: list, gap: float) -> bool:
+    """Two greedy outputs (with top-2 logprobs) equal, or parting first where the twin's two
+    best tokens were within `gap` of each other and the other side took the runner-up: a near
+    tie rounded the other way, not a wrong product."""
+    for x, y in zip(a, b, strict=True):
+        if x.token_id != y.token_id:
+            best = dict(y.top)
+            return x.token_id in best and y.logprob - best[x.token_id] <= gap
+    return True
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_and_two_row_products_equal_onednns(loaded_model, bf16_model, dtype, monkeypatch):
+    """A request decoding alone, then two together: products of one and two rows go through
+    small_products.c (`small_products`) and give oneDNN's greedy tokens (the twin). In bfloat16
+    each product's output is rounded to 8 bits of mantissa after sums in another order, so a
+    near tie may part the two; the first parting must be one: within two of bfloat16's steps of
+    a logit below 32 (0.125 each)."""
+    from services.models import packed
+
+    calls = [0]
+    into = packed.SmallProducts.into
+
+    def counted(self, *args):
+        calls[0] += 1
+        return into(self, *args)
+
+    monkeypatch.setattr(packed.SmallProducts, "into", counted)
+    model = loaded_model if dtype == "float32" else bf16_model
+    kw = {"loaded": model, "dtype": dtype, "kv_cache_memory": 32 << 20, "grammar_workers": 0}
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    chat = [{"role": "user", "content": "Name three rivers."}]
+    outs = []
+    for small in (True, False):
+        llm = LLM(**kw, speculative=None, small_products=small)
+        assert llm.engine.runner.small_products == small
+        prompts = [STORY, llm.engine.apply_chat_template(chat)]
+        outs.append([llm.generate(prompts[:1], greedy)[0], *llm.generate(prompts, greedy)])
+        if small:
+            assert calls[0] > 0
+            calls[0] = 0
+    assert calls[0] == 0  # the twin never took them
+    for a, b in zip(*outs, strict=True):
+        if dtype == "float32":
+            assert a.token_ids == b.token_ids
+        else:
+            assert _near_tie_or_equal(a.logprobs, b.logprobs, gap=0.25)

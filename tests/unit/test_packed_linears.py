@@ -79,3 +79,34 @@ def test_sibling_layers_are_found_and_share_one_product():
         x = torch.randn(1, 3, 64)
         q_proj = model.model.layers[0].self_attn.q_proj
         torch.testing.assert_close(q_proj(x), x @ q_proj.weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_one_and_two_row_products_match_f_linear_where_the_block_asks(tmp_path):
+    small = packed.small_products(tmp_path)
+    assert small is not None  # the test machine has a C compiler
+    calls = [0]
+    into = small.into
+
+    def counted(*args):
+        calls[0] += 1
+        return into(*args)
+
+    small.into = counted  # type: ignore[method-assign]
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
+        torch.manual_seed(0)
+        model = small_llama().to(dtype)
+        with packed.sibling_inputs(model) as siblings:
+            logits(model, torch.randint(0, 300, (1, 3)))
+        assert packed.pack_linears(model, siblings, small) > 0
+        for rows in (1, 2, 5):
+            ids = torch.randint(0, 300, (1, rows))
+            want = logits(model, ids).float()
+            calls[0] = 0
+            with packed.packed_products(small=True):
+                got = logits(model, ids).float()
+            assert (calls[0] > 0) == (rows <= packed.SMALL_ROWS)  # five rows: oneDNN's
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            calls[0] = 0
+            with packed.packed_products(small=False):  # the twin: oneDNN at every size
+                logits(model, ids)
+            assert calls[0] == 0
