@@ -10,6 +10,7 @@ each field defined once, in its group; `config.scheduling` and the like are the 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ DECODE_GRAPHS = ("auto", "off", "uncaptured")  # see RunnerConfig.decode_graphs
 DRAFT_LENGTHS = ("fixed", "adaptive")
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (Linux's flags; elsewhere: no). Without
     it oneDNN emulates bf16 and a bf16 model runs slower than in float32."""

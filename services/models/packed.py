@@ -59,18 +59,26 @@ class SmallProducts:
         self.lib = lib
 
     def into(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        y: torch.Tensor,
+        scratch: torch.Tensor | None = None,
     ) -> None:
-        """`x` [m, k] contiguous into `y` [m, n] (a column slice of a wider output is fine)."""
+        """`x` [m, k] contiguous into `y` [m, n] (a column slice of a wider output is fine).
+        bfloat16: `scratch`, m * k float32 the C side widens `x` into (one per group, not per
+        member; made here when not given)."""
         m, k = x.shape
         n = weight.shape[0]
         b = bias.data_ptr() if bias is not None else None
         threads = torch.get_num_threads()
         if x.dtype == torch.bfloat16:
-            widened = torch.empty(m * k, dtype=torch.float32)
+            if scratch is None:
+                scratch = torch.empty(m * k, dtype=torch.float32)
             self.lib.small_linear_bf16(
                 x.data_ptr(), weight.data_ptr(), b, y.data_ptr(), y.stride(0), m, n, k,
-                widened.data_ptr(), threads,
+                scratch.data_ptr(), threads,
             )  # fmt: skip
         else:
             self.lib.small_linear(
@@ -172,10 +180,13 @@ class _Product:
         """Every member's output for one or two rows, each read from its own weight."""
         assert self.small is not None
         y = flat.new_empty(flat.shape[0], sum(self.widths))
+        scratch = None
+        if flat.dtype == torch.bfloat16:
+            scratch = torch.empty(flat.numel(), dtype=torch.float32)
         start = 0
         for weight, width in zip(self.weights, self.widths, strict=True):
             bias = self.bias[start : start + width] if self.bias is not None else None
-            self.small.into(flat, weight, bias, y[:, start : start + width])
+            self.small.into(flat, weight, bias, y[:, start : start + width], scratch)
             start += width
         return y
 
